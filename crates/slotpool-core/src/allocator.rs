@@ -1,0 +1,803 @@
+//! `Allocator`: one device's caching allocator, thread-safe.
+//!
+//! The state lives in [`Shard`]s, one per (pool, stream), each behind its own mutex, so that
+//! different streams and pools never contend. A sharded pointer map finds the shard of a pointer
+//! on free; a thread-local cache finds the shard of (pool, stream) on allocation without touching
+//! a shared lock. Lock order is written down in [`crate::sync`].
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rustc_hash::FxHashMap;
+
+use crate::block::BlockId;
+use crate::config::{Config, GrowthMode};
+use crate::device::{CaptureStatus, Device, DevicePtr, StreamId};
+use crate::env::{Budget, Env, EventPool, PagePool};
+use crate::error::{AllocError, AllocResult, OomReport};
+use crate::pool::{PoolId, PoolOptions};
+use crate::ptr_map::PtrMap;
+use crate::route::{Route, RouteFilter, current_thread_id};
+use crate::shard::{Shard, ShardError};
+use crate::stats::MemoryStats;
+use crate::sync::lock;
+
+/// Largest request accepted (2^56 bytes); anything above is a caller bug, not an OOM.
+pub const MAX_REQUEST: u64 = 1 << 56;
+
+/// A shard and the budget of the pool it belongs to.
+#[derive(Debug)]
+pub(crate) struct ShardCell {
+    pub shard: Mutex<Shard>,
+    pub pool_budget: Arc<Budget>,
+}
+
+pub(crate) type ShardRef = Arc<ShardCell>;
+
+/// One pool's registration.
+#[derive(Debug)]
+pub(crate) struct PoolEntry {
+    pub name: Option<String>,
+    pub use_count: u64,
+    pub options: PoolOptions,
+    pub budget: Arc<Budget>,
+}
+
+static NEXT_ALLOCATOR_UID: AtomicU64 = AtomicU64::new(1);
+
+struct CachedShard {
+    allocator: u64,
+    generation: u64,
+    pool: PoolId,
+    stream: StreamId,
+    shard: ShardRef,
+}
+
+thread_local! {
+    static LAST_SHARD: RefCell<Option<CachedShard>> = const { RefCell::new(None) };
+}
+
+/// One device's caching allocator. See the crate docs for the model.
+pub struct Allocator<D: Device> {
+    uid: u64,
+    pub(crate) dev: Arc<D>,
+    pub(crate) config: Config,
+    vmm_reservation: u64,
+    pub(crate) budget: Budget,
+    pub(crate) pages: PagePool,
+    pub(crate) events: EventPool,
+    pub(crate) pools: Mutex<FxHashMap<PoolId, PoolEntry>>,
+    next_named_pool: AtomicU64,
+    pub(crate) routes: Mutex<Vec<Route>>,
+    routes_active: AtomicUsize,
+    captures_active: AtomicUsize,
+    pub(crate) shards: Mutex<FxHashMap<(PoolId, StreamId), ShardRef>>,
+    generation: AtomicU64,
+    pub(crate) ptrs: PtrMap<(ShardRef, BlockId)>,
+    /// Taken by the OOM and cache-emptying paths, which visit every shard one at a time.
+    reclaim: Mutex<()>,
+    num_alloc_retries: AtomicI64,
+    num_ooms: AtomicI64,
+}
+
+impl<D: Device> std::fmt::Debug for Allocator<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Allocator")
+            .field("uid", &self.uid)
+            .field("growth", &self.config.growth)
+            .field("held", &self.budget.held())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Device> Allocator<D> {
+    /// An allocator over `dev` with `config`.
+    pub fn new(dev: Arc<D>, config: Config) -> Self {
+        let total = dev.total_memory();
+        let ps = dev.page_size().max(1);
+        let limit = Self::limit_for(&config, total);
+        let vmm_reservation = config.vmm_reservation.unwrap_or(total).max(ps).div_ceil(ps) * ps;
+        let mut pools = FxHashMap::default();
+        pools.insert(
+            PoolId::DEFAULT,
+            PoolEntry {
+                name: Some("default".into()),
+                use_count: 1,
+                options: PoolOptions::default(),
+                budget: Arc::new(Budget::new(u64::MAX)),
+            },
+        );
+        Allocator {
+            uid: NEXT_ALLOCATOR_UID.fetch_add(1, Ordering::Relaxed),
+            dev,
+            config,
+            vmm_reservation,
+            budget: Budget::new(limit),
+            pages: PagePool::default(),
+            events: EventPool::default(),
+            pools: Mutex::new(pools),
+            next_named_pool: AtomicU64::new(1),
+            routes: Mutex::new(Vec::new()),
+            routes_active: AtomicUsize::new(0),
+            captures_active: AtomicUsize::new(0),
+            shards: Mutex::new(FxHashMap::default()),
+            generation: AtomicU64::new(0),
+            ptrs: PtrMap::new(),
+            reclaim: Mutex::new(()),
+            num_alloc_retries: AtomicI64::new(0),
+            num_ooms: AtomicI64::new(0),
+        }
+    }
+
+    fn limit_for(config: &Config, total: u64) -> u64 {
+        let mut limit = config.memory_limit.unwrap_or(total);
+        if let Some(f) = config.memory_fraction {
+            limit = limit.min((total as f64 * f) as u64);
+        }
+        limit
+    }
+
+    /// The backend.
+    pub fn device(&self) -> &Arc<D> {
+        &self.dev
+    }
+
+    /// The configuration this allocator was built with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Cap physical memory at `fraction` of the device (`set_per_process_memory_fraction`).
+    pub fn set_memory_fraction(&self, fraction: f64) -> AllocResult<()> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(AllocError::InvalidArgument(format!(
+                "memory fraction {fraction} is not in (0, 1]"
+            )));
+        }
+        self.budget.set_limit((self.dev.total_memory() as f64 * fraction) as u64);
+        Ok(())
+    }
+
+    /// Cap physical memory at `bytes`.
+    pub fn set_memory_limit(&self, bytes: u64) {
+        self.budget.set_limit(bytes);
+    }
+
+    /// The cap on physical memory in force.
+    pub fn memory_limit(&self) -> u64 {
+        self.budget.limit()
+    }
+
+    /// Physical bytes held: segments, mapped pages and cached unmapped pages.
+    pub fn held_bytes(&self) -> u64 {
+        self.budget.held()
+    }
+
+    pub(crate) fn capture_underway(&self) -> bool {
+        self.captures_active.load(Ordering::Acquire) > 0
+    }
+
+    pub(crate) fn env<'a>(&'a self, pool_budget: &'a Budget) -> Env<'a> {
+        Env {
+            dev: &*self.dev,
+            policy: &self.config.policy,
+            growth: self.config.growth,
+            budget: &self.budget,
+            pool_budget,
+            pages: &self.pages,
+            events: &self.events,
+            vmm_reservation: self.vmm_reservation,
+            capture_underway: self.capture_underway(),
+        }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Allocation
+
+    /// Allocate `size` bytes for use on `stream`. The pool is chosen by the active routes (the
+    /// default pool when none match).
+    pub fn alloc(&self, size: u64, stream: StreamId) -> AllocResult<DevicePtr> {
+        if size == 0 || size > MAX_REQUEST {
+            return Err(AllocError::InvalidSize(size));
+        }
+        let pool = self.route_for(stream)?;
+        self.alloc_in(pool, size, stream)
+    }
+
+    /// Allocate from a given pool, bypassing routes.
+    pub fn alloc_in(&self, pool: PoolId, size: u64, stream: StreamId) -> AllocResult<DevicePtr> {
+        if size == 0 || size > MAX_REQUEST {
+            return Err(AllocError::InvalidSize(size));
+        }
+        let rounded = self.config.policy.round_size(size);
+        let cell = self.shard_for(pool, stream)?;
+        let result = {
+            let env = self.env(&cell.pool_budget);
+            lock(&cell.shard).alloc(&env, rounded, size)
+        };
+        match result {
+            Ok((id, addr)) => {
+                self.ptrs.insert(addr, (cell, id));
+                Ok(addr)
+            }
+            Err(ShardError::OutOfMemory) => self.alloc_after_oom(cell, pool, stream, rounded, size),
+            Err(e) => Err(shard_error(e)),
+        }
+    }
+
+    /// PyTorch's retry ladder: free this pool's cache, try `use_on_oom` pools, free every unused
+    /// cached byte on the device, retry; then fail with a report.
+    fn alloc_after_oom(
+        &self,
+        cell: ShardRef,
+        pool: PoolId,
+        stream: StreamId,
+        rounded: u64,
+        size: u64,
+    ) -> AllocResult<DevicePtr> {
+        let _reclaim = lock(&self.reclaim);
+        let attempt = |cell: &ShardRef| -> Result<(BlockId, DevicePtr), ShardError> {
+            let env = self.env(&cell.pool_budget);
+            lock(&cell.shard).alloc(&env, rounded, size)
+        };
+        // 1. This shard's own cache.
+        {
+            let env = self.env(&cell.pool_budget);
+            lock(&cell.shard).release_cached(&env, false, true);
+        }
+        if let Ok((id, addr)) = attempt(&cell) {
+            self.ptrs.insert(addr, (cell, id));
+            return Ok(addr);
+        }
+        // 2. Free blocks of pools marked use_on_oom, on the same stream.
+        for other in self.use_on_oom_pools(pool) {
+            if let Some(oc) = self.existing_shard(other, stream)
+                && let Ok((id, addr)) = attempt(&oc)
+            {
+                self.ptrs.insert(addr, (oc, id));
+                return Ok(addr);
+            }
+        }
+        // 3. Every unused cached byte on the device (never during a capture).
+        if !self.capture_underway() {
+            self.release_all_cached(true, true);
+            self.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
+            match attempt(&cell) {
+                Ok((id, addr)) => {
+                    self.ptrs.insert(addr, (cell, id));
+                    return Ok(addr);
+                }
+                Err(ShardError::OutOfMemory) => {}
+                Err(e) => return Err(shard_error(e)),
+            }
+        }
+        self.num_ooms.fetch_add(1, Ordering::Relaxed);
+        let report = self.oom_report(size, rounded);
+        tracing::info!(%report, "out of memory");
+        Err(AllocError::OutOfMemory(Box::new(report)))
+    }
+
+    fn oom_report(&self, size: u64, rounded: u64) -> OomReport {
+        let mut allocated = 0;
+        let mut private = 0;
+        for (&(pool, _), cell) in self.all_shards().iter() {
+            let s = lock(&cell.shard);
+            allocated += s.stats.allocated_bytes.all.current as u64;
+            if !pool.is_default() {
+                private += s.stats.reserved_bytes.all.current as u64;
+            }
+        }
+        let reserved = self.budget.held();
+        OomReport {
+            requested: size,
+            rounded,
+            reserved,
+            allocated,
+            private_pools: private,
+            fragmentation: reserved.saturating_sub(allocated),
+            limit: self.budget.limit(),
+            device_free: self.dev.free_memory(),
+        }
+    }
+
+    /// Free a pointer returned by [`Allocator::alloc`]. Unknown pointers and double frees are
+    /// rejected and change nothing.
+    pub fn free(&self, ptr: DevicePtr) -> AllocResult<()> {
+        let Some((cell, id)) = self.ptrs.remove(ptr) else {
+            return Err(AllocError::UnknownPointer(ptr));
+        };
+        let env = self.env(&cell.pool_budget);
+        let r = lock(&cell.shard).free(&env, id);
+        r.map_err(|e| {
+            // Cannot happen while the pointer map and the shards agree; keep the entry so that
+            // the invariant checker reports it.
+            self.ptrs.insert(ptr, (cell.clone(), id));
+            shard_error(e)
+        })
+    }
+
+    /// Note that `ptr` is used on `stream` (`Tensor.record_stream`): it is reused on another
+    /// stream only after the work queued on `stream` before its free has completed.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> AllocResult<()> {
+        let (cell, id) = self.ptrs.get(ptr).ok_or(AllocError::UnknownPointer(ptr))?;
+        lock(&cell.shard).record_stream(id, stream).map_err(shard_error)
+    }
+
+    /// (base, size) of the live allocation that starts at `ptr`.
+    pub fn allocation_info(&self, ptr: DevicePtr) -> AllocResult<(DevicePtr, u64, u64)> {
+        let (cell, id) = self.ptrs.get(ptr).ok_or(AllocError::UnknownPointer(ptr))?;
+        let s = lock(&cell.shard);
+        let b = s.block(id).ok_or(AllocError::UnknownPointer(ptr))?;
+        Ok((b.addr, b.size, b.requested))
+    }
+
+    /// Retire completed cross-stream events in every shard.
+    pub fn process_events(&self) {
+        for cell in self.all_shards().values() {
+            let env = self.env(&cell.pool_budget);
+            lock(&cell.shard).process_events(&env);
+        }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Shards
+
+    /// The shard of (pool, stream), created on first use.
+    pub(crate) fn shard_for(&self, pool: PoolId, stream: StreamId) -> AllocResult<ShardRef> {
+        let generation = self.generation.load(Ordering::Acquire);
+        let cached = LAST_SHARD
+            .try_with(|c| {
+                c.borrow().as_ref().and_then(|e| {
+                    (e.allocator == self.uid
+                        && e.generation == generation
+                        && e.pool == pool
+                        && e.stream == stream)
+                        .then(|| e.shard.clone())
+                })
+            })
+            .ok()
+            .flatten();
+        if let Some(cell) = cached {
+            return Ok(cell);
+        }
+        let cell = self.shard_for_slow(pool, stream)?;
+        let _ = LAST_SHARD.try_with(|c| {
+            *c.borrow_mut() = Some(CachedShard {
+                allocator: self.uid,
+                generation,
+                pool,
+                stream,
+                shard: cell.clone(),
+            })
+        });
+        Ok(cell)
+    }
+
+    fn shard_for_slow(&self, pool: PoolId, stream: StreamId) -> AllocResult<ShardRef> {
+        let pools = lock(&self.pools);
+        let entry = pools.get(&pool).ok_or(AllocError::UnknownPool(pool))?;
+        let mut shards = lock(&self.shards);
+        Ok(shards
+            .entry((pool, stream))
+            .or_insert_with(|| {
+                Arc::new(ShardCell {
+                    shard: Mutex::new(Shard::new(
+                        pool,
+                        stream,
+                        entry.options.no_split,
+                        &self.config.policy,
+                    )),
+                    pool_budget: entry.budget.clone(),
+                })
+            })
+            .clone())
+    }
+
+    pub(crate) fn existing_shard(&self, pool: PoolId, stream: StreamId) -> Option<ShardRef> {
+        lock(&self.shards).get(&(pool, stream)).cloned()
+    }
+
+    /// A copy of the shard table, so that shards can be locked one at a time without the table
+    /// lock.
+    pub(crate) fn all_shards(&self) -> FxHashMap<(PoolId, StreamId), ShardRef> {
+        lock(&self.shards).clone()
+    }
+
+    pub(crate) fn pool_shards(&self, pool: PoolId) -> Vec<ShardRef> {
+        lock(&self.shards)
+            .iter()
+            .filter(|((p, _), _)| *p == pool)
+            .map(|(_, c)| c.clone())
+            .collect()
+    }
+
+    /// Forget empty shards of `pool` (or of every freeable pool); invalidates thread caches.
+    pub(crate) fn drop_empty_shards(&self, pool: Option<PoolId>) {
+        let mut shards = lock(&self.shards);
+        let before = shards.len();
+        shards.retain(|&(p, _), cell| {
+            if pool.is_some_and(|q| q != p) || p.is_default() {
+                return true;
+            }
+            !lock(&cell.shard).is_empty()
+        });
+        if shards.len() != before {
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Pools and routes
+
+    fn use_on_oom_pools(&self, except: PoolId) -> Vec<PoolId> {
+        let pools = lock(&self.pools);
+        let mut v: Vec<PoolId> = pools
+            .iter()
+            .filter(|(id, e)| **id != except && e.options.use_on_oom)
+            .map(|(id, _)| *id)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Create pool `id` with `options` (use count 1), or add one use to an existing pool
+    /// (PyTorch's `createOrIncrefPool`).
+    pub fn create_or_incref_pool(&self, id: PoolId, options: PoolOptions) -> AllocResult<u64> {
+        if id.is_default() {
+            return Err(AllocError::InvalidArgument("the default pool always exists".into()));
+        }
+        let mut pools = lock(&self.pools);
+        let e = pools.entry(id).or_insert_with(|| PoolEntry {
+            name: None,
+            use_count: 0,
+            options: options.clone(),
+            budget: Arc::new(Budget::new(options.limit.unwrap_or(u64::MAX))),
+        });
+        e.use_count += 1;
+        Ok(e.use_count)
+    }
+
+    /// The pool named `name`, created (use count 1) if it does not exist, else given one more use.
+    /// Named pools get ids `{0, 2^63 + n}`, apart from PyTorch's.
+    pub fn named_pool(&self, name: &str, options: PoolOptions) -> AllocResult<PoolId> {
+        if name.is_empty() {
+            return Err(AllocError::InvalidArgument("empty pool name".into()));
+        }
+        let mut pools = lock(&self.pools);
+        if let Some((id, e)) = pools.iter_mut().find(|(_, e)| e.name.as_deref() == Some(name)) {
+            e.use_count += 1;
+            return Ok(*id);
+        }
+        let id = PoolId(0, (1 << 63) | self.next_named_pool.fetch_add(1, Ordering::Relaxed));
+        pools.insert(
+            id,
+            PoolEntry {
+                name: Some(name.to_string()),
+                use_count: 1,
+                options: options.clone(),
+                budget: Arc::new(Budget::new(options.limit.unwrap_or(u64::MAX))),
+            },
+        );
+        Ok(id)
+    }
+
+    /// The id of the pool named `name`, if any.
+    pub fn pool_by_name(&self, name: &str) -> Option<PoolId> {
+        lock(&self.pools).iter().find(|(_, e)| e.name.as_deref() == Some(name)).map(|(id, _)| *id)
+    }
+
+    /// Use count of a pool (`MemPool.use_count()`).
+    pub fn pool_use_count(&self, id: PoolId) -> AllocResult<u64> {
+        lock(&self.pools).get(&id).map(|e| e.use_count).ok_or(AllocError::UnknownPool(id))
+    }
+
+    /// Change a pool's options (`setUseOnOOM`, `setNoSplit`, byte limit).
+    pub fn set_pool_options(&self, id: PoolId, options: PoolOptions) -> AllocResult<()> {
+        let mut pools = lock(&self.pools);
+        let e = pools.get_mut(&id).ok_or(AllocError::UnknownPool(id))?;
+        e.budget.set_limit(options.limit.unwrap_or(u64::MAX));
+        e.options = options;
+        Ok(())
+    }
+
+    /// A pool's options.
+    pub fn pool_options(&self, id: PoolId) -> AllocResult<PoolOptions> {
+        lock(&self.pools).get(&id).map(|e| e.options.clone()).ok_or(AllocError::UnknownPool(id))
+    }
+
+    /// Drop one use of a pool (`releasePool`). At zero the pool is freeable: its cached memory
+    /// returns on `empty_cache` or under memory pressure, and it is forgotten once empty.
+    pub fn release_pool(&self, id: PoolId) -> AllocResult<u64> {
+        if id.is_default() {
+            return Err(AllocError::InvalidArgument("the default pool cannot be released".into()));
+        }
+        let mut pools = lock(&self.pools);
+        let e = pools.get_mut(&id).ok_or(AllocError::UnknownPool(id))?;
+        if e.use_count == 0 {
+            return Err(AllocError::InvalidState(format!("pool {id} was already released")));
+        }
+        e.use_count -= 1;
+        Ok(e.use_count)
+    }
+
+    /// Every registered pool id.
+    pub fn pools(&self) -> Vec<PoolId> {
+        let mut v: Vec<PoolId> = lock(&self.pools).keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Send allocations that match `filter` to `pool` until [`Allocator::end_allocate_to_pool`]
+    /// (PyTorch's `beginAllocateToPool`): the pool gains a use (created if new). Newest route
+    /// first; a pool already being recorded to is refused.
+    pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: RouteFilter) -> AllocResult<()> {
+        if pool.is_default() {
+            return Err(AllocError::InvalidArgument("cannot route to the default pool".into()));
+        }
+        let mut routes = lock(&self.routes);
+        if routes.iter().any(|r| r.pool == pool) {
+            return Err(AllocError::InvalidState(format!("already recording to pool {pool}")));
+        }
+        self.create_or_incref_pool(pool, PoolOptions::default())?;
+        if matches!(filter, RouteFilter::Capture(_)) {
+            self.captures_active.fetch_add(1, Ordering::AcqRel);
+        }
+        routes.push(Route { pool, filter });
+        self.routes_active.store(routes.len(), Ordering::Release);
+        Ok(())
+    }
+
+    /// Stop routing to `pool` (no change to its use count).
+    pub fn end_allocate_to_pool(&self, pool: PoolId) -> AllocResult<()> {
+        let mut routes = lock(&self.routes);
+        let i = routes
+            .iter()
+            .rposition(|r| r.pool == pool)
+            .ok_or_else(|| AllocError::InvalidState(format!("no route to pool {pool}")))?;
+        let r = routes.remove(i);
+        if matches!(r.filter, RouteFilter::Capture(_)) {
+            self.captures_active.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.routes_active.store(routes.len(), Ordering::Release);
+        drop(routes);
+        if !self.capture_underway() {
+            // Frees deferred by the capture can now record their events.
+            self.process_events();
+        }
+        Ok(())
+    }
+
+    /// The pool an allocation on `stream` by this thread goes to.
+    pub fn route_for(&self, stream: StreamId) -> AllocResult<PoolId> {
+        if self.routes_active.load(Ordering::Acquire) == 0 {
+            return Ok(PoolId::DEFAULT);
+        }
+        let routes = lock(&self.routes);
+        let mut capture: Option<CaptureStatus> = None;
+        for r in routes.iter().rev() {
+            let hit = match r.filter {
+                RouteFilter::All => true,
+                RouteFilter::Thread(t) => t == current_thread_id(),
+                RouteFilter::Stream(s) => s == stream,
+                RouteFilter::Capture(id) => {
+                    let st = match capture {
+                        Some(st) => st,
+                        None => {
+                            let st = self.dev.capture_status(stream)?;
+                            capture = Some(st);
+                            st
+                        }
+                    };
+                    st == CaptureStatus::Active(id)
+                }
+            };
+            if hit {
+                return Ok(r.pool);
+            }
+        }
+        Ok(PoolId::DEFAULT)
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Releasing memory
+
+    /// Return every unused cached byte of the default pool and of freeable private pools to the
+    /// device (`torch.cuda.empty_cache`). Pools in use keep their cache: live graphs reference it.
+    pub fn empty_cache(&self) {
+        let _reclaim = lock(&self.reclaim);
+        self.release_all_cached(true, false);
+        self.release_page_pool();
+        self.forget_freeable_pools();
+    }
+
+    /// `empty_cache` for one pool; a pool in use is emptied too (its free blocks and idle pages).
+    pub fn empty_pool_cache(&self, pool: PoolId) -> AllocResult<()> {
+        if !lock(&self.pools).contains_key(&pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        let _reclaim = lock(&self.reclaim);
+        for cell in self.pool_shards(pool) {
+            let env = self.env(&cell.pool_budget);
+            lock(&cell.shard).release_cached(&env, true, false);
+        }
+        self.release_page_pool();
+        self.forget_freeable_pools();
+        Ok(())
+    }
+
+    /// Release cached memory of the default pool and freeable pools, one shard at a time.
+    fn release_all_cached(&self, synchronize: bool, keep_pages: bool) {
+        let freeable: Vec<PoolId> = {
+            let pools = lock(&self.pools);
+            pools
+                .iter()
+                .filter(|(id, e)| id.is_default() || e.use_count == 0)
+                .map(|(id, _)| *id)
+                .collect()
+        };
+        for ((pool, _), cell) in self.all_shards() {
+            if !freeable.contains(&pool) {
+                continue;
+            }
+            let env = self.env(&cell.pool_budget);
+            lock(&cell.shard).release_cached(&env, synchronize, keep_pages);
+        }
+    }
+
+    fn release_page_pool(&self) {
+        if self.capture_underway() {
+            return;
+        }
+        for page in self.pages.drain() {
+            if self.dev.release_page(page).is_ok() {
+                self.budget.release(self.dev.page_size());
+            } else {
+                self.pages.put(page);
+                break;
+            }
+        }
+    }
+
+    /// Forget freeable pools that hold nothing any more.
+    fn forget_freeable_pools(&self) {
+        self.drop_empty_shards(None);
+        let mut pools = lock(&self.pools);
+        let shards = lock(&self.shards);
+        pools.retain(|id, e| {
+            id.is_default() || e.use_count > 0 || shards.keys().any(|(p, _)| p == id)
+        });
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Statistics
+
+    /// Device-wide statistics (`torch.cuda.memory_stats`). Current values and totals are exact;
+    /// peaks are exact while one (pool, stream) shard is active, else an upper bound.
+    pub fn stats(&self) -> MemoryStats {
+        let mut out = MemoryStats {
+            max_split_size: if self.config.policy.max_split_size == u64::MAX {
+                -1
+            } else {
+                self.config.policy.max_split_size as i64
+            },
+            ..Default::default()
+        };
+        for cell in self.all_shards().values() {
+            out.merge(&lock(&cell.shard).stats);
+        }
+        out.num_alloc_retries += self.num_alloc_retries.load(Ordering::Relaxed);
+        out.num_ooms += self.num_ooms.load(Ordering::Relaxed);
+        out
+    }
+
+    /// Statistics of one pool.
+    pub fn pool_stats(&self, pool: PoolId) -> AllocResult<MemoryStats> {
+        if !lock(&self.pools).contains_key(&pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        let mut out = MemoryStats::default();
+        for cell in self.pool_shards(pool) {
+            out.merge(&lock(&cell.shard).stats);
+        }
+        Ok(out)
+    }
+
+    /// `reset_peak_memory_stats`.
+    pub fn reset_peak_stats(&self) {
+        for cell in self.all_shards().values() {
+            lock(&cell.shard).stats.reset_peak();
+        }
+    }
+
+    /// `reset_accumulated_memory_stats`.
+    pub fn reset_accumulated_stats(&self) {
+        for cell in self.all_shards().values() {
+            lock(&cell.shard).stats.reset_accumulated();
+        }
+        self.num_alloc_retries.store(0, Ordering::Relaxed);
+        self.num_ooms.store(0, Ordering::Relaxed);
+    }
+
+    /// The largest cached free block (`cacheInfo`, used by cuDNN benchmark).
+    pub fn largest_free_block(&self) -> u64 {
+        self.all_shards().values().map(|c| lock(&c.shard).largest_free()).max().unwrap_or(0)
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Invariants
+
+    /// Check the whole state: every shard's invariants, then
+    ///
+    /// 1. the pointer map holds exactly the allocated blocks, each under its address;
+    /// 2. no two segments of any shards overlap;
+    /// 3. physical bytes held equal classic segments + mapped pages + cached pages;
+    /// 4. each pool's budget equals what its shards hold.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let _reclaim = lock(&self.reclaim);
+        let ps = self.dev.page_size();
+        let shards = self.all_shards();
+        let mut ranges = Vec::new();
+        let mut allocated = 0usize;
+        let mut held = self.pages.len() as u64 * ps;
+        let mut per_pool: FxHashMap<PoolId, u64> = FxHashMap::default();
+        for (&(pool, stream), cell) in &shards {
+            let s = lock(&cell.shard);
+            s.check_invariants(ps).map_err(|e| format!("shard {pool}/{stream}: invariant {e}"))?;
+            let reserved = s.stats.reserved_bytes.all.current as u64;
+            held += reserved;
+            *per_pool.entry(pool).or_default() += reserved;
+            for (sid, seg) in s.segments() {
+                ranges.push((seg.addr, seg.addr + seg.size));
+                for (id, b) in s.segment_blocks(sid) {
+                    if b.state == crate::block::BlockState::Allocated {
+                        allocated += 1;
+                        match self.ptrs.get(b.addr) {
+                            Some((c, bid)) if Arc::ptr_eq(&c, cell) && bid == id => {}
+                            _ => {
+                                return Err(format!(
+                                    "1: allocated block at {:#x} missing from the pointer map",
+                                    b.addr
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if self.ptrs.len() != allocated {
+            return Err(format!(
+                "1: pointer map has {} entries for {allocated} allocated blocks",
+                self.ptrs.len()
+            ));
+        }
+        ranges.sort_unstable();
+        if ranges.windows(2).any(|w| w[0].1 > w[1].0) {
+            return Err("2: segments of different shards overlap".into());
+        }
+        if held != self.budget.held() {
+            return Err(format!("3: {} bytes held by the budget, {held} counted", self.budget.held()));
+        }
+        let pools = lock(&self.pools);
+        for (id, e) in pools.iter() {
+            let have = per_pool.get(id).copied().unwrap_or(0);
+            if !id.is_default() && e.budget.held() != have {
+                return Err(format!("4: pool {id} budget {} vs {have} held", e.budget.held()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the configured growth mode is vmm.
+    pub fn is_vmm(&self) -> bool {
+        self.config.growth == GrowthMode::Vmm
+    }
+}
+
+pub(crate) fn shard_error(e: ShardError) -> AllocError {
+    match e {
+        ShardError::OutOfMemory => AllocError::OutOfMemory(Box::default()),
+        ShardError::Device(d) => AllocError::Device(d),
+        ShardError::BadBlock(why) => AllocError::InvalidState(why.into()),
+    }
+}

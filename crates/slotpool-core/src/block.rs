@@ -1,0 +1,131 @@
+//! Blocks and segments: the pieces a shard's memory is cut into.
+
+use crate::device::{DevicePtr, PageHandle, StreamId};
+
+/// Index of a block in its shard's slab.
+pub type BlockId = usize;
+/// Index of a segment in its shard's slab.
+pub type SegmentId = usize;
+
+/// Life cycle of a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum BlockState {
+    /// In the free index; may be handed out.
+    Free,
+    /// Handed out to the user.
+    Allocated,
+    /// Freed by the user, but other streams used it: waits for their events (or for the capture
+    /// to end) before it becomes `Free`.
+    PendingFree,
+}
+
+/// A piece of a segment, free or allocated. Free neighbours are always merged.
+#[derive(Clone, Debug)]
+pub struct Block {
+    pub addr: DevicePtr,
+    /// Rounded size.
+    pub size: u64,
+    /// Size the user asked for (0 when free).
+    pub requested: u64,
+    pub segment: SegmentId,
+    pub prev: Option<BlockId>,
+    pub next: Option<BlockId>,
+    pub state: BlockState,
+    /// Streams other than the shard's own that used this block (`record_stream`).
+    pub stream_uses: Vec<StreamId>,
+    /// Outstanding events before a `PendingFree` block becomes free.
+    pub pending_events: u32,
+}
+
+impl Block {
+    pub fn end(&self) -> DevicePtr {
+        self.addr + self.size
+    }
+}
+
+/// Physical pages of one vmm reservation, indexed by page number from the reservation start.
+///
+/// `live[p]` counts the non-free blocks that overlap page p; a mapped page with `live == 0` is
+/// *idle*: wholly inside free blocks, and may be unmapped once the stream's work that last
+/// touched it is complete (`idle_epoch[p]` below the shard's safe epoch).
+#[derive(Clone, Debug, Default)]
+pub struct PageTable {
+    pub handle: Vec<Option<PageHandle>>,
+    pub live: Vec<u32>,
+    pub idle_epoch: Vec<u64>,
+    /// Bit p set when page p is mapped and idle.
+    pub idle_bits: Vec<u64>,
+    pub idle_count: usize,
+    pub mapped_count: usize,
+}
+
+impl PageTable {
+    /// Make sure the per-page arrays cover page `p`.
+    pub fn cover(&mut self, p: usize) {
+        if p >= self.handle.len() {
+            let n = (p + 1).next_power_of_two().max(64);
+            self.handle.resize(n, None);
+            self.live.resize(n, 0);
+            self.idle_epoch.resize(n, 0);
+            self.idle_bits.resize(n.div_ceil(64), 0);
+        }
+    }
+
+    pub fn set_idle(&mut self, p: usize, idle: bool) {
+        let (w, b) = (p / 64, 1u64 << (p % 64));
+        let was = self.idle_bits[w] & b != 0;
+        if idle && !was {
+            self.idle_bits[w] |= b;
+            self.idle_count += 1;
+        } else if !idle && was {
+            self.idle_bits[w] &= !b;
+            self.idle_count -= 1;
+        }
+    }
+
+    pub fn is_idle(&self, p: usize) -> bool {
+        self.idle_bits.get(p / 64).is_some_and(|w| w & (1 << (p % 64)) != 0)
+    }
+
+    /// Idle pages in ascending order.
+    pub fn idle_pages(&self) -> impl Iterator<Item = usize> + '_ {
+        self.idle_bits.iter().enumerate().flat_map(|(w, &bits)| {
+            let mut bits = bits;
+            std::iter::from_fn(move || {
+                if bits == 0 {
+                    return None;
+                }
+                let b = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                Some(w * 64 + b)
+            })
+        })
+    }
+}
+
+/// How a segment got its memory.
+#[derive(Clone, Debug)]
+pub enum SegmentKind {
+    /// One `alloc_segment` call: all bytes physical.
+    Classic,
+    /// A virtual reservation with pages mapped on demand.
+    Vmm(PageTable),
+}
+
+/// One range of device addresses obtained from the backend.
+#[derive(Clone, Debug)]
+pub struct Segment {
+    pub addr: DevicePtr,
+    pub size: u64,
+    /// Serves the small (<= 1 MiB) requests.
+    pub small: bool,
+    /// The block at the lowest address.
+    pub first: BlockId,
+    pub kind: SegmentKind,
+}
+
+impl Segment {
+    pub fn is_vmm(&self) -> bool {
+        matches!(self.kind, SegmentKind::Vmm(_))
+    }
+}

@@ -1,0 +1,270 @@
+//! Allocator configuration, parsed from PyTorch-style `key:value,key:[a,b]` strings (our own
+//! variable, `SLOTPOOL_CONF`: PyTorch rejects unknown keys in its own).
+
+use crate::policy::{ROUNDUP_BUCKETS, SizePolicy};
+
+/// How the allocator obtains device memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub enum GrowthMode {
+    /// One backend allocation per segment, with PyTorch's segment sizes.
+    Classic,
+    /// One virtual reservation per pool, stream and size class; physical 2 MiB pages mapped on
+    /// demand and unmapped when they fall idle.
+    #[default]
+    Vmm,
+}
+
+/// Everything configurable about one device's allocator.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub growth: GrowthMode,
+    pub policy: SizePolicy,
+    /// Hard cap on physical bytes held (`None`: the device's memory).
+    pub memory_limit: Option<u64>,
+    /// Cap as a fraction of device memory (`set_per_process_memory_fraction`).
+    pub memory_fraction: Option<f64>,
+    /// Size of each vmm reservation (`None`: the device's total memory).
+    pub vmm_reservation: Option<u64>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            growth: GrowthMode::Vmm,
+            policy: SizePolicy::default(),
+            memory_limit: None,
+            memory_fraction: None,
+            vmm_reservation: None,
+        }
+    }
+}
+
+/// A configuration string was rejected; nothing was applied.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid slotpool configuration: {0}")]
+pub struct ConfigError(pub String);
+
+const MIB: u64 = 1 << 20;
+
+impl Config {
+    /// The keys [`Config::apply`] accepts.
+    pub const KEYS: &'static [&'static str] = &[
+        "growth",
+        "expandable_segments",
+        "max_split_size_mb",
+        "max_non_split_rounding_mb",
+        "large_segment_size_mb",
+        "roundup_power2_divisions",
+        "memory_limit_mb",
+        "per_process_memory_fraction",
+        "vmm_reservation_mb",
+    ];
+
+    /// Parse a configuration string over the defaults.
+    pub fn parse(s: &str) -> Result<Config, ConfigError> {
+        let mut c = Config::default();
+        c.apply(s)?;
+        Ok(c)
+    }
+
+    /// Apply `key:value` pairs separated by commas; lists are `[a,b]` or `[256:1,>:4]`. Unknown
+    /// keys are rejected by name, and on any error `self` is unchanged.
+    pub fn apply(&mut self, s: &str) -> Result<(), ConfigError> {
+        let mut next = self.clone();
+        for (key, value) in split_pairs(s)? {
+            next.set(&key, &value)?;
+        }
+        *self = next;
+        Ok(())
+    }
+
+    fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        let bad = |what: &str| ConfigError(format!("{key}: {what} (got {value:?})"));
+        let mb = |v: &str| -> Result<u64, ConfigError> {
+            v.parse::<u64>().map_err(|_| bad("expected a whole number of MiB")).map(|n| n * MIB)
+        };
+        match key {
+            "growth" => {
+                self.growth = match value {
+                    "vmm" => GrowthMode::Vmm,
+                    "classic" => GrowthMode::Classic,
+                    _ => return Err(bad("expected vmm or classic")),
+                }
+            }
+            "expandable_segments" => {
+                self.growth = match value {
+                    "True" | "true" => GrowthMode::Vmm,
+                    "False" | "false" => GrowthMode::Classic,
+                    _ => return Err(bad("expected True or False")),
+                }
+            }
+            "max_split_size_mb" => {
+                let v = mb(value)?;
+                if v < 20 * MIB {
+                    return Err(bad("must be at least 20"));
+                }
+                self.policy.max_split_size = v;
+            }
+            "max_non_split_rounding_mb" => {
+                let v = mb(value)?;
+                if v < 20 * MIB {
+                    return Err(bad("must be at least 20"));
+                }
+                self.policy.max_non_split_rounding = v;
+            }
+            "large_segment_size_mb" => {
+                let v = mb(value)?;
+                if v == 0 || v % (2 * MIB) != 0 {
+                    return Err(bad("must be a positive multiple of 2"));
+                }
+                self.policy.large_segment_size = v;
+            }
+            "memory_limit_mb" => self.memory_limit = Some(mb(value)?),
+            "vmm_reservation_mb" => {
+                let v = mb(value)?;
+                if v == 0 {
+                    return Err(bad("must be positive"));
+                }
+                self.vmm_reservation = Some(v);
+            }
+            "per_process_memory_fraction" => {
+                let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
+                if !(f > 0.0 && f <= 1.0) {
+                    return Err(bad("must be in (0, 1]"));
+                }
+                self.memory_fraction = Some(f);
+            }
+            "roundup_power2_divisions" => {
+                self.policy.roundup_power2_divisions = parse_divisions(value).map_err(|w| bad(&w))?;
+            }
+            _ => {
+                return Err(ConfigError(format!(
+                    "unknown key {key:?}; known keys: {}",
+                    Self::KEYS.join(", ")
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn split_pairs(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
+    let mut out = Vec::new();
+    let mut depth = 0i32;
+    let mut cur = String::new();
+    let mut parts = Vec::new();
+    for ch in s.chars() {
+        match ch {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            _ => {}
+        }
+        if depth < 0 {
+            return Err(ConfigError(format!("unbalanced ']' in {s:?}")));
+        }
+        if ch == ',' && depth == 0 {
+            parts.push(std::mem::take(&mut cur));
+        } else {
+            cur.push(ch);
+        }
+    }
+    if depth != 0 {
+        return Err(ConfigError(format!("unbalanced '[' in {s:?}")));
+    }
+    parts.push(cur);
+    for part in parts {
+        let part = part.trim();
+        if part.is_empty() {
+            continue;
+        }
+        let (k, v) = part
+            .split_once(':')
+            .ok_or_else(|| ConfigError(format!("expected key:value, got {part:?}")))?;
+        out.push((k.trim().to_string(), v.trim().to_string()));
+    }
+    Ok(out)
+}
+
+/// `4` (every bucket), or `[256:1,512:2,>:4]` (bucket upper bounds in MiB; `>` the rest), or a
+/// plain list `[1,2,4,...]` per bucket. Values are powers of two or 0.
+fn parse_divisions(v: &str) -> Result<[u64; ROUNDUP_BUCKETS], String> {
+    let check = |d: u64| {
+        if d == 0 || d.is_power_of_two() { Ok(d) } else { Err(format!("{d} is not a power of two")) }
+    };
+    let num = |t: &str| t.trim().parse::<u64>().map_err(|_| format!("{t:?} is not a number"));
+    let mut out = [0u64; ROUNDUP_BUCKETS];
+    if !v.starts_with('[') {
+        let d = check(num(v)?)?;
+        return Ok([d; ROUNDUP_BUCKETS]);
+    }
+    let inner = v.strip_prefix('[').and_then(|x| x.strip_suffix(']')).ok_or("unbalanced list")?;
+    let items: Vec<&str> = inner.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
+    if items.iter().all(|t| !t.contains(':')) {
+        if items.len() > ROUNDUP_BUCKETS {
+            return Err(format!("at most {ROUNDUP_BUCKETS} values"));
+        }
+        for (i, t) in items.iter().enumerate() {
+            out[i] = check(num(t)?)?;
+        }
+        return Ok(out);
+    }
+    let mut last = 0usize;
+    for t in items {
+        let (k, d) = t.split_once(':').ok_or_else(|| format!("{t:?} is not size:divisions"))?;
+        let d = check(num(d)?)?;
+        if k.trim() == ">" {
+            for slot in out.iter_mut().skip(last) {
+                *slot = d;
+            }
+            last = ROUNDUP_BUCKETS;
+            continue;
+        }
+        let mb = num(k)?;
+        if !mb.is_power_of_two() {
+            return Err(format!("{mb} is not a power of two"));
+        }
+        let bucket = (mb.trailing_zeros() as usize).min(ROUNDUP_BUCKETS - 1);
+        for slot in out.iter_mut().take(bucket + 1).skip(last) {
+            *slot = d;
+        }
+        last = bucket + 1;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_known_keys() {
+        let c = Config::parse(
+            "growth:classic, max_split_size_mb:64,roundup_power2_divisions:[256:1,512:2,>:4],memory_limit_mb:100",
+        )
+        .unwrap();
+        assert_eq!(c.growth, GrowthMode::Classic);
+        assert_eq!(c.policy.max_split_size, 64 * MIB);
+        assert_eq!(c.memory_limit, Some(100 * MIB));
+        assert_eq!(c.policy.roundup_power2_divisions[0], 1);
+        assert_eq!(c.policy.roundup_power2_divisions[8], 1);
+        assert_eq!(c.policy.roundup_power2_divisions[9], 2);
+        assert_eq!(c.policy.roundup_power2_divisions[15], 4);
+        let c = Config::parse("roundup_power2_divisions:4,expandable_segments:True").unwrap();
+        assert_eq!(c.policy.roundup_power2_divisions, [4; ROUNDUP_BUCKETS]);
+        assert_eq!(c.growth, GrowthMode::Vmm);
+    }
+
+    #[test]
+    fn rejects_bad_input_and_changes_nothing() {
+        let mut c = Config::default();
+        let e = c.apply("growth:classic,bogus_key:1").unwrap_err();
+        assert!(e.0.contains("bogus_key"), "{e}");
+        assert_eq!(c, Config::default());
+        assert!(Config::parse("max_split_size_mb:10").is_err());
+        assert!(Config::parse("roundup_power2_divisions:3").is_err());
+        assert!(Config::parse("roundup_power2_divisions:[1,2").is_err());
+        assert!(Config::parse("per_process_memory_fraction:1.5").is_err());
+        assert!(Config::parse("growth").is_err());
+        assert!(Config::parse("").is_ok());
+    }
+}

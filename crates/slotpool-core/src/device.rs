@@ -1,0 +1,145 @@
+//! The `Device` trait: everything the allocator needs from a GPU.
+//!
+//! This is slotpool's "hal" layer, in wgpu's sense: backends (`slotpool-sim`, `slotpool-cuda`)
+//! implement it with as little policy as possible, and `slotpool-core` enforces every invariant one
+//! layer up. All methods take `&self`: a backend is shared by every shard of a device and must be
+//! internally synchronised (the CUDA driver is). Errors are values; a backend never panics.
+
+use std::fmt;
+
+/// An opaque stream handle (a `cudaStream_t` / `CUstream` as an integer). `0` is the legacy default
+/// stream.
+pub type StreamId = u64;
+
+/// A device address.
+pub type DevicePtr = u64;
+
+/// An opaque physical page handle (a `CUmemGenericAllocationHandle` on CUDA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageHandle(pub u64);
+
+/// An opaque event handle (a `CUevent` on CUDA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EventHandle(pub u64);
+
+/// Whether a stream is capturing into a CUDA graph, and into which one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureStatus {
+    /// Not capturing: every backend call is legal.
+    None,
+    /// Capturing; the value is the capture's unique id (`cudaStreamGetCaptureInfo`'s `id_out`).
+    Active(u64),
+    /// The capture was invalidated by an illegal call and must be ended.
+    Invalidated,
+}
+
+impl CaptureStatus {
+    /// True while the stream is capturing (active or invalidated).
+    pub fn is_capturing(self) -> bool {
+        !matches!(self, CaptureStatus::None)
+    }
+}
+
+/// An error reported by a backend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceError {
+    /// The backend has no memory for this request (`CUDA_ERROR_OUT_OF_MEMORY`).
+    OutOfMemory,
+    /// The call is not permitted while a stream capture is underway.
+    IllegalDuringCapture(&'static str),
+    /// An argument was rejected (unknown handle, misaligned address, ...).
+    InvalidArgument(String),
+    /// The backend is not available (no driver, no device).
+    Unavailable(String),
+    /// Any other driver error, with its code and name.
+    Driver { code: i32, what: String },
+}
+
+impl fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceError::OutOfMemory => write!(f, "device out of memory"),
+            DeviceError::IllegalDuringCapture(call) => {
+                write!(f, "{call} is not permitted during stream capture")
+            }
+            DeviceError::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
+            DeviceError::Unavailable(why) => write!(f, "device unavailable: {why}"),
+            DeviceError::Driver { code, what } => write!(f, "driver error {code}: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+/// Result of a backend call.
+pub type DeviceResult<T> = Result<T, DeviceError>;
+
+/// What the allocator needs from one GPU.
+///
+/// Contract (the backend may rely on the allocator for these, and must check none of them for
+/// correctness, though the simulated device checks all of them to catch allocator bugs):
+///
+/// 1. `free_segment` only receives addresses returned by `alloc_segment`, once each.
+/// 2. `map` only maps a page into a reserved range, at a multiple of [`Device::page_size`], where
+///    nothing is mapped; `unmap` only unmaps what `map` mapped.
+/// 3. Events are destroyed only when no longer recorded-and-awaited.
+/// 4. During capture of any stream, the allocator calls no `query_event`, `synchronize_event` or
+///    `record_event` on a capturing stream, and calls `alloc_segment` / `map` only through a backend
+///    that switches the capture mode to relaxed (the CUDA backend does).
+pub trait Device: Send + Sync + 'static {
+    /// Granularity of physical pages for vmm growth (2 MiB on every current NVIDIA GPU).
+    fn page_size(&self) -> u64;
+
+    /// Total device memory in bytes (`cuDeviceTotalMem`).
+    fn total_memory(&self) -> u64;
+
+    /// Free device memory in bytes as the driver sees it (`cuMemGetInfo`).
+    fn free_memory(&self) -> u64;
+
+    /// Allocate one segment of `size` bytes (`cuMemAlloc`). Classic growth.
+    fn alloc_segment(&self, size: u64) -> DeviceResult<DevicePtr>;
+
+    /// Free a segment returned by [`Device::alloc_segment`] (`cuMemFree`).
+    fn free_segment(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()>;
+
+    /// Reserve a virtual address range of `size` bytes, a multiple of the page size
+    /// (`cuMemAddressReserve`). No physical memory is used.
+    fn reserve(&self, size: u64) -> DeviceResult<DevicePtr>;
+
+    /// Release a reserved range; nothing may be mapped in it (`cuMemAddressFree`).
+    fn release_reservation(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()>;
+
+    /// Create one physical page of [`Device::page_size`] bytes (`cuMemCreate`).
+    fn create_page(&self) -> DeviceResult<PageHandle>;
+
+    /// Release a physical page that is not mapped anywhere (`cuMemRelease`).
+    fn release_page(&self, page: PageHandle) -> DeviceResult<()>;
+
+    /// Map `page` at `ptr` and make it accessible (`cuMemMap` + `cuMemSetAccess`).
+    fn map(&self, ptr: DevicePtr, page: PageHandle) -> DeviceResult<()>;
+
+    /// Unmap the page mapped at `ptr` (`cuMemUnmap`). The caller guarantees that no pending work
+    /// can touch it.
+    fn unmap(&self, ptr: DevicePtr) -> DeviceResult<()>;
+
+    /// Create an event (timing disabled).
+    fn create_event(&self) -> DeviceResult<EventHandle>;
+
+    /// Destroy an event.
+    fn destroy_event(&self, event: EventHandle) -> DeviceResult<()>;
+
+    /// Record `event` on `stream`: it completes once all work queued on `stream` so far has.
+    fn record_event(&self, event: EventHandle, stream: StreamId) -> DeviceResult<()>;
+
+    /// Whether `event` has completed (`cuEventQuery`); never blocks.
+    fn query_event(&self, event: EventHandle) -> DeviceResult<bool>;
+
+    /// Block the host until `event` completes (`cuEventSynchronize`).
+    fn synchronize_event(&self, event: EventHandle) -> DeviceResult<()>;
+
+    /// Make future work on `stream` wait for `event` (`cuStreamWaitEvent`).
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()>;
+
+    /// Whether `stream` is capturing, and into which capture (`cuStreamGetCaptureInfo`).
+    fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus>;
+}

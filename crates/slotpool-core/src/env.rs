@@ -1,0 +1,146 @@
+//! What a shard borrows from its device while it runs one operation: the backend, the policy, and
+//! the device-wide pools of physical pages and events.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::config::GrowthMode;
+use crate::device::{Device, DeviceError, DeviceResult, EventHandle, PageHandle};
+use crate::policy::SizePolicy;
+use crate::sync::lock;
+
+/// Physical bytes this allocator holds on the device, and the most it may hold.
+#[derive(Debug)]
+pub struct Budget {
+    held: AtomicU64,
+    limit: AtomicU64,
+}
+
+impl Budget {
+    pub fn new(limit: u64) -> Self {
+        Budget { held: AtomicU64::new(0), limit: AtomicU64::new(limit) }
+    }
+
+    pub fn held(&self) -> u64 {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    pub fn set_limit(&self, limit: u64) {
+        self.limit.store(limit, Ordering::Relaxed);
+    }
+
+    /// Claim `bytes` if the limit allows; false leaves nothing claimed.
+    pub fn try_claim(&self, bytes: u64) -> bool {
+        let limit = self.limit();
+        self.held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+                h.checked_add(bytes).filter(|&n| n <= limit)
+            })
+            .is_ok()
+    }
+
+    pub fn release(&self, bytes: u64) {
+        self.held.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+/// Unmapped physical pages, ready to be mapped anywhere on the device. They were unmapped only
+/// after the work that last touched them completed, so any stream may use them at once.
+#[derive(Debug, Default)]
+pub struct PagePool {
+    pages: Mutex<Vec<PageHandle>>,
+}
+
+impl PagePool {
+    pub fn take(&self) -> Option<PageHandle> {
+        lock(&self.pages).pop()
+    }
+
+    pub fn put(&self, page: PageHandle) {
+        lock(&self.pages).push(page);
+    }
+
+    pub fn len(&self) -> usize {
+        lock(&self.pages).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn drain(&self) -> Vec<PageHandle> {
+        std::mem::take(&mut *lock(&self.pages))
+    }
+}
+
+/// Events are created once and reused: creating one is a driver call.
+#[derive(Debug, Default)]
+pub struct EventPool {
+    events: Mutex<Vec<EventHandle>>,
+}
+
+impl EventPool {
+    pub fn get(&self, dev: &dyn Device) -> DeviceResult<EventHandle> {
+        if let Some(ev) = lock(&self.events).pop() {
+            return Ok(ev);
+        }
+        dev.create_event()
+    }
+
+    pub fn put(&self, ev: EventHandle) {
+        lock(&self.events).push(ev);
+    }
+
+    pub fn drain(&self) -> Vec<EventHandle> {
+        std::mem::take(&mut *lock(&self.events))
+    }
+}
+
+/// Borrowed context for one shard operation.
+#[derive(Clone, Copy)]
+pub struct Env<'a> {
+    pub dev: &'a dyn Device,
+    pub policy: &'a SizePolicy,
+    pub growth: GrowthMode,
+    pub budget: &'a Budget,
+    /// Bytes the shard's pool holds (classic segments and mapped pages) against its own limit.
+    pub pool_budget: &'a Budget,
+    pub pages: &'a PagePool,
+    pub events: &'a EventPool,
+    /// Size of each new vmm reservation (at least the request).
+    pub vmm_reservation: u64,
+    /// Some stream of this device is capturing: no event query, record or synchronise, no free or
+    /// unmap (PyTorch's `captures_underway`).
+    pub capture_underway: bool,
+}
+
+impl std::fmt::Debug for Env<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Env")
+            .field("growth", &self.growth)
+            .field("capture_underway", &self.capture_underway)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Env<'_> {
+    pub fn page_size(&self) -> u64 {
+        self.dev.page_size()
+    }
+
+    /// A physical page for growth: from the device pool, else a new one within the budget.
+    pub fn new_page(&self) -> DeviceResult<PageHandle> {
+        if let Some(p) = self.pages.take() {
+            return Ok(p);
+        }
+        let ps = self.page_size();
+        if !self.budget.try_claim(ps) {
+            return Err(DeviceError::OutOfMemory);
+        }
+        self.dev.create_page().inspect_err(|_| self.budget.release(ps))
+    }
+}

@@ -1,0 +1,44 @@
+//! slotpool-core: a CUDA caching allocator's state, generic over a [`Device`].
+//!
+//! No CUDA, no FFI, no `unsafe`: backends implement [`Device`] (the simulated device in
+//! `slotpool-sim`, the CUDA driver in `slotpool-cuda`), and this crate decides every address.
+//!
+//! - [`Allocator`] is one device's allocator: thread-safe, sharded by (pool, stream).
+//! - [`shard::Shard`] is the `&mut self` state machine of one (pool, stream) pair, with
+//!   `check_invariants`.
+//! - [`policy`] holds PyTorch 2.11's size rules; [`stats`] its `memory_stats()` keys.
+//!
+//! ```
+//! # use std::sync::Arc;
+//! # use slotpool_core::{Allocator, Config};
+//! # fn demo<D: slotpool_core::Device>(dev: Arc<D>) -> Result<(), slotpool_core::AllocError> {
+//! let alloc = Allocator::new(dev, Config::default());
+//! let p = alloc.alloc(1 << 20, 0)?; // 1 MiB on the default stream
+//! alloc.free(p)?;
+//! # Ok(()) }
+//! ```
+#![forbid(unsafe_code)]
+
+pub mod allocator;
+pub mod block;
+pub mod config;
+pub mod device;
+pub mod env;
+pub mod error;
+pub mod policy;
+pub mod pool;
+pub mod ptr_map;
+pub mod route;
+pub mod shard;
+pub mod stats;
+pub mod sync;
+
+pub use allocator::{Allocator, MAX_REQUEST};
+pub use config::{Config, ConfigError, GrowthMode};
+pub use device::{
+    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PageHandle, StreamId,
+};
+pub use error::{AllocError, AllocResult, OomReport};
+pub use pool::{PoolId, PoolOptions};
+pub use route::{RouteFilter, current_thread_id};
+pub use stats::{MemoryStats, Stat, StatArray};

@@ -1,0 +1,981 @@
+//! `Shard`: every segment and block of one (pool, stream) pair, as a plain `&mut self` state
+//! machine. The lock is one layer up, in [`crate::Allocator`]; nothing here is shared.
+
+use std::collections::{BTreeSet, VecDeque};
+
+use slab::Slab;
+
+use crate::block::{Block, BlockId, BlockState, PageTable, Segment, SegmentId, SegmentKind};
+use crate::config::GrowthMode;
+use crate::device::{DeviceError, DevicePtr, EventHandle, PageHandle, StreamId};
+use crate::env::Env;
+use crate::policy::{self, SizePolicy};
+use crate::pool::PoolId;
+use crate::stats::MemoryStats;
+
+/// Key of the free index: best fit is the first entry at or above `(size, 0, 0)`, lowest address
+/// on ties, as PyTorch's `std::set` ordered by (stream, size, ptr).
+type FreeKey = (u64, DevicePtr, BlockId);
+
+/// Why a shard operation failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShardError {
+    /// No cached block fits and the backend (or the byte limit) refused growth.
+    OutOfMemory,
+    /// The backend failed for another reason.
+    Device(DeviceError),
+    /// The block is not in the state the call needs (double free, unknown block).
+    BadBlock(&'static str),
+}
+
+impl From<DeviceError> for ShardError {
+    fn from(e: DeviceError) -> Self {
+        match e {
+            DeviceError::OutOfMemory => ShardError::OutOfMemory,
+            other => ShardError::Device(other),
+        }
+    }
+}
+
+/// Memory released by a cache-emptying call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    pub bytes: u64,
+    pub segments: u64,
+}
+
+/// All segments and blocks of one pool on one stream.
+///
+/// Invariants, checked by [`Shard::check_invariants`]:
+///
+/// 1. The blocks of each segment tile it exactly: from `first`, `next` links walk contiguous
+///    addresses whose sizes add up to the segment size, and `prev` links mirror `next` links.
+/// 2. No two neighbouring blocks are both `Free` (free neighbours always merge).
+/// 3. The free index holds exactly the `Free` blocks, each under its current size and address,
+///    in the index of its segment's size class.
+/// 4. A `PendingFree` block waits on `pending_events > 0` events in `pending`, or sits in
+///    `deferred`; no other block has pending events.
+/// 5. Every block in the slab belongs to exactly one segment chain; segments never overlap.
+/// 6. vmm pages: `live[p]` equals the number of non-free blocks overlapping page p; every page a
+///    non-free block overlaps is mapped; a page is idle exactly when mapped with `live == 0`;
+///    counts match the bitmaps.
+/// 7. Statistics equal a recount of the blocks and segments.
+#[derive(Debug)]
+pub struct Shard {
+    pub pool: PoolId,
+    pub stream: StreamId,
+    pub no_split: bool,
+    blocks: Slab<Block>,
+    segments: Slab<Segment>,
+    free_small: BTreeSet<FreeKey>,
+    free_large: BTreeSet<FreeKey>,
+    /// Cross-stream events that `PendingFree` blocks wait on, oldest first.
+    pending: VecDeque<(EventHandle, BlockId)>,
+    /// `PendingFree` blocks freed during a capture: their events are recorded after it ends.
+    deferred: Vec<BlockId>,
+    /// vmm: frees since the last recorded event belong to `epoch`; pages idle since an epoch below
+    /// `safe_epoch` may be unmapped.
+    epoch: u64,
+    safe_epoch: u64,
+    epoch_events: VecDeque<(u64, EventHandle)>,
+    pub stats: MemoryStats,
+}
+
+impl Shard {
+    pub fn new(pool: PoolId, stream: StreamId, no_split: bool, policy: &SizePolicy) -> Self {
+        let stats = MemoryStats {
+            max_split_size: if policy.max_split_size == u64::MAX {
+                i64::MAX
+            } else {
+                policy.max_split_size as i64
+            },
+            ..Default::default()
+        };
+        Shard {
+            pool,
+            stream,
+            no_split,
+            blocks: Slab::new(),
+            segments: Slab::new(),
+            free_small: BTreeSet::new(),
+            free_large: BTreeSet::new(),
+            pending: VecDeque::new(),
+            deferred: Vec::new(),
+            epoch: 1,
+            safe_epoch: 0,
+            epoch_events: VecDeque::new(),
+            stats,
+        }
+    }
+
+    pub fn block(&self, id: BlockId) -> Option<&Block> {
+        self.blocks.get(id)
+    }
+
+    pub fn segments(&self) -> impl Iterator<Item = (SegmentId, &Segment)> {
+        self.segments.iter()
+    }
+
+    /// Blocks of a segment in address order.
+    pub fn segment_blocks(&self, seg: SegmentId) -> impl Iterator<Item = (BlockId, &Block)> {
+        let mut next = self.segments.get(seg).map(|s| s.first);
+        std::iter::from_fn(move || {
+            let id = next?;
+            let b = &self.blocks[id];
+            next = b.next;
+            Some((id, b))
+        })
+    }
+
+    /// True when the shard holds no memory at all.
+    pub fn is_empty(&self) -> bool {
+        self.segments.is_empty()
+    }
+
+    /// Number of blocks handed out and not yet freed (or pending).
+    pub fn live_blocks(&self) -> usize {
+        self.blocks.iter().filter(|(_, b)| b.state != BlockState::Free).count()
+    }
+
+    /// The largest free block (`cacheInfo`).
+    pub fn largest_free(&self) -> u64 {
+        let a = self.free_small.last().map_or(0, |k| k.0);
+        let b = self.free_large.last().map_or(0, |k| k.0);
+        a.max(b)
+    }
+
+    fn index(&mut self, small: bool) -> &mut BTreeSet<FreeKey> {
+        if small { &mut self.free_small } else { &mut self.free_large }
+    }
+
+    fn is_inactive_split(&self, id: BlockId) -> bool {
+        let b = &self.blocks[id];
+        !self.segments[b.segment].is_vmm() && (b.prev.is_some() || b.next.is_some())
+    }
+
+    fn index_insert(&mut self, id: BlockId) {
+        let (size, addr, small) = {
+            let b = &self.blocks[id];
+            (b.size, b.addr, self.segments[b.segment].small)
+        };
+        if self.is_inactive_split(id) {
+            self.stats.inactive_split.update(small, 1);
+            self.stats.inactive_split_bytes.update(small, size as i64);
+        }
+        self.index(small).insert((size, addr, id));
+    }
+
+    fn index_remove(&mut self, id: BlockId) {
+        let (size, addr, small) = {
+            let b = &self.blocks[id];
+            (b.size, b.addr, self.segments[b.segment].small)
+        };
+        if self.is_inactive_split(id) {
+            self.stats.inactive_split.update(small, -1);
+            self.stats.inactive_split_bytes.update(small, -(size as i64));
+        }
+        let removed = self.index(small).remove(&(size, addr, id));
+        debug_assert!(removed, "free block missing from the index");
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Allocation
+
+    /// Serve `rounded` bytes (`requested` asked) from the cache or by growing. On error nothing
+    /// changed.
+    pub fn alloc(
+        &mut self,
+        env: &Env<'_>,
+        rounded: u64,
+        requested: u64,
+    ) -> Result<(BlockId, DevicePtr), ShardError> {
+        if !env.capture_underway && (!self.pending.is_empty() || !self.deferred.is_empty()) {
+            self.process_events(env);
+        }
+        let small = policy::is_small(rounded);
+        if let Some(id) = self.find_free(env, rounded, small) {
+            return self.take_block(env, id, rounded, requested);
+        }
+        let id = self.grow(env, rounded, small)?;
+        match self.take_block(env, id, rounded, requested) {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                // A fresh segment the request could not use (vmm pages refused): give it back.
+                self.release_segment_if_unused(env, self.blocks[id].segment);
+                Err(e)
+            }
+        }
+    }
+
+    fn find_free(&self, env: &Env<'_>, rounded: u64, small: bool) -> Option<BlockId> {
+        let index = if small { &self.free_small } else { &self.free_large };
+        let &(size, _, id) = index.range((rounded, 0, 0)..).next()?;
+        if env.growth == GrowthMode::Classic && !env.policy.may_serve(size, rounded) {
+            return None;
+        }
+        Some(id)
+    }
+
+    /// Add a segment big enough for `rounded` bytes; returns its one free block.
+    fn grow(&mut self, env: &Env<'_>, rounded: u64, small: bool) -> Result<BlockId, ShardError> {
+        let (addr, size, kind) = match env.growth {
+            GrowthMode::Classic => {
+                let size = env.policy.segment_size(rounded);
+                if !env.pool_budget.try_claim(size) {
+                    return Err(ShardError::OutOfMemory);
+                }
+                if !env.budget.try_claim(size) {
+                    env.pool_budget.release(size);
+                    return Err(ShardError::OutOfMemory);
+                }
+                let addr = env.dev.alloc_segment(size).inspect_err(|_| {
+                    env.budget.release(size);
+                    env.pool_budget.release(size);
+                })?;
+                self.stats.reserved_bytes.update(small, size as i64);
+                self.stats.num_device_alloc += 1;
+                if env.policy.is_oversize(size) {
+                    self.stats.oversize_segments.update(1);
+                }
+                (addr, size, SegmentKind::Classic)
+            }
+            GrowthMode::Vmm => {
+                let ps = env.page_size();
+                let size = env.vmm_reservation.max(rounded).div_ceil(ps) * ps;
+                let addr = env.dev.reserve(size)?;
+                (addr, size, SegmentKind::Vmm(PageTable::default()))
+            }
+        };
+        self.stats.segment.update(small, 1);
+        let seg = self.segments.insert(Segment { addr, size, small, first: usize::MAX, kind });
+        let id = self.blocks.insert(Block {
+            addr,
+            size,
+            requested: 0,
+            segment: seg,
+            prev: None,
+            next: None,
+            state: BlockState::Free,
+            stream_uses: Vec::new(),
+            pending_events: 0,
+        });
+        self.segments[seg].first = id;
+        self.index_insert(id);
+        tracing::debug!(pool = ?self.pool, stream = self.stream, addr, size, "segment added");
+        Ok(id)
+    }
+
+    fn take_block(
+        &mut self,
+        env: &Env<'_>,
+        id: BlockId,
+        rounded: u64,
+        requested: u64,
+    ) -> Result<(BlockId, DevicePtr), ShardError> {
+        let (addr, size, seg) = {
+            let b = &self.blocks[id];
+            (b.addr, b.size, b.segment)
+        };
+        let small = self.segments[seg].small;
+        let vmm = self.segments[seg].is_vmm();
+        self.index_remove(id);
+        if vmm && let Err(e) = self.map_range(env, seg, addr, rounded) {
+            self.index_insert(id);
+            return Err(e);
+        }
+        if (vmm || !self.no_split) && env.policy.should_split(size, rounded, small, vmm) {
+            let rest = self.blocks.insert(Block {
+                addr: addr + rounded,
+                size: size - rounded,
+                requested: 0,
+                segment: seg,
+                prev: Some(id),
+                next: self.blocks[id].next,
+                state: BlockState::Free,
+                stream_uses: Vec::new(),
+                pending_events: 0,
+            });
+            if let Some(n) = self.blocks[id].next {
+                self.blocks[n].prev = Some(rest);
+            }
+            let b = &mut self.blocks[id];
+            b.next = Some(rest);
+            b.size = rounded;
+            self.index_insert(rest);
+        }
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Allocated;
+        b.requested = requested;
+        let size = b.size;
+        if vmm {
+            self.pages_live(env, seg, addr, size, 1);
+        }
+        let st = &mut self.stats;
+        st.allocation.update(small, 1);
+        st.allocated_bytes.update(small, size as i64);
+        st.active.update(small, 1);
+        st.active_bytes.update(small, size as i64);
+        st.requested_bytes.update(small, requested as i64);
+        if !vmm && env.policy.is_oversize(size) {
+            st.oversize_allocations.update(1);
+        }
+        Ok((id, addr))
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Freeing
+
+    /// The user frees block `id`. It becomes free at once unless other streams used it.
+    pub fn free(&mut self, env: &Env<'_>, id: BlockId) -> Result<(), ShardError> {
+        let b = self.blocks.get(id).ok_or(ShardError::BadBlock("unknown block"))?;
+        if b.state != BlockState::Allocated {
+            return Err(ShardError::BadBlock("block is not allocated"));
+        }
+        let (size, small, oversize) = {
+            let seg = &self.segments[b.segment];
+            (b.size, seg.small, !seg.is_vmm() && env.policy.is_oversize(b.size))
+        };
+        self.stats.allocation.update(small, -1);
+        self.stats.allocated_bytes.update(small, -(size as i64));
+        if oversize {
+            self.stats.oversize_allocations.update(-1);
+        }
+        if self.blocks[id].stream_uses.is_empty() {
+            self.free_block(env, id);
+            return Ok(());
+        }
+        self.blocks[id].state = BlockState::PendingFree;
+        if env.capture_underway {
+            self.deferred.push(id);
+        } else {
+            self.insert_events(env, id);
+        }
+        Ok(())
+    }
+
+    /// Note that `stream` uses block `id` (`record_stream`); the own stream is ignored.
+    pub fn record_stream(&mut self, id: BlockId, stream: StreamId) -> Result<(), ShardError> {
+        if stream == self.stream {
+            return Ok(());
+        }
+        let b = self.blocks.get_mut(id).ok_or(ShardError::BadBlock("unknown block"))?;
+        if b.state != BlockState::Allocated {
+            return Err(ShardError::BadBlock("block is not allocated"));
+        }
+        if !b.stream_uses.contains(&stream) {
+            b.stream_uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Record one event per stream that used the block; the block is free once all complete. If
+    /// an event cannot be had, fall back to deferring (retried later) rather than reuse early.
+    fn insert_events(&mut self, env: &Env<'_>, id: BlockId) {
+        let uses = std::mem::take(&mut self.blocks[id].stream_uses);
+        let mut recorded = 0;
+        let mut failed = Vec::new();
+        for &s in &uses {
+            let ev = match env.events.get(env.dev) {
+                Ok(ev) => ev,
+                Err(_) => {
+                    failed.push(s);
+                    continue;
+                }
+            };
+            if env.dev.record_event(ev, s).is_err() {
+                env.events.put(ev);
+                failed.push(s);
+                continue;
+            }
+            self.pending.push_back((ev, id));
+            recorded += 1;
+        }
+        let b = &mut self.blocks[id];
+        b.pending_events += recorded;
+        if !failed.is_empty() {
+            b.stream_uses = failed;
+            self.deferred.push(id);
+        }
+    }
+
+    /// Retire completed cross-stream events and record those deferred by a capture.
+    pub fn process_events(&mut self, env: &Env<'_>) {
+        if env.capture_underway {
+            return;
+        }
+        for id in std::mem::take(&mut self.deferred) {
+            self.insert_events(env, id);
+        }
+        let mut i = 0;
+        while i < self.pending.len() {
+            let (ev, id) = self.pending[i];
+            match env.dev.query_event(ev) {
+                Ok(true) => {
+                    self.pending.remove(i);
+                    env.events.put(ev);
+                    let b = &mut self.blocks[id];
+                    b.pending_events -= 1;
+                    if b.pending_events == 0 && !self.deferred.contains(&id) {
+                        self.free_block(env, id);
+                    }
+                }
+                _ => i += 1,
+            }
+        }
+    }
+
+    /// Wait for every cross-stream event (PyTorch's `synchronize_and_free_events`).
+    pub fn synchronize_events(&mut self, env: &Env<'_>) {
+        if env.capture_underway {
+            return;
+        }
+        for id in std::mem::take(&mut self.deferred) {
+            self.insert_events(env, id);
+        }
+        while let Some((ev, id)) = self.pending.pop_front() {
+            if env.dev.synchronize_event(ev).is_err() {
+                // Keep the block pending; it is retried on the next call.
+                self.pending.push_front((ev, id));
+                break;
+            }
+            env.events.put(ev);
+            let b = &mut self.blocks[id];
+            b.pending_events -= 1;
+            if b.pending_events == 0 && !self.deferred.contains(&id) {
+                self.free_block(env, id);
+            }
+        }
+        self.stats.num_sync_all_streams += 1;
+    }
+
+    /// A block returns to the free index, merging with free neighbours.
+    fn free_block(&mut self, env: &Env<'_>, id: BlockId) {
+        let (addr, size, requested, seg) = {
+            let b = &mut self.blocks[id];
+            b.state = BlockState::Free;
+            b.stream_uses.clear();
+            let r = (b.addr, b.size, b.requested, b.segment);
+            b.requested = 0;
+            r
+        };
+        let small = self.segments[seg].small;
+        let st = &mut self.stats;
+        st.active.update(small, -1);
+        st.active_bytes.update(small, -(size as i64));
+        st.requested_bytes.update(small, -(requested as i64));
+        if self.segments[seg].is_vmm() {
+            self.pages_live(env, seg, addr, size, -1);
+        }
+        let mut id = id;
+        if let Some(p) = self.blocks[id].prev
+            && self.blocks[p].state == BlockState::Free
+        {
+            self.index_remove(p);
+            id = self.merge_into_prev(p, id);
+        }
+        if let Some(n) = self.blocks[id].next
+            && self.blocks[n].state == BlockState::Free
+        {
+            self.index_remove(n);
+            id = self.merge_into_prev(id, n);
+        }
+        self.index_insert(id);
+    }
+
+    /// Merge block `b` into its predecessor `a`; returns `a`.
+    fn merge_into_prev(&mut self, a: BlockId, b: BlockId) -> BlockId {
+        let gone = self.blocks.remove(b);
+        let blk = &mut self.blocks[a];
+        blk.size += gone.size;
+        blk.next = gone.next;
+        if let Some(n) = gone.next {
+            self.blocks[n].prev = Some(a);
+        }
+        a
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // vmm pages
+
+    fn page_range(env: &Env<'_>, seg_addr: u64, addr: u64, size: u64) -> (usize, usize) {
+        let ps = env.page_size();
+        let first = ((addr - seg_addr) / ps) as usize;
+        let end = (addr + size - seg_addr).div_ceil(ps) as usize;
+        (first, end)
+    }
+
+    /// Adjust the live counts of the pages under [addr, addr+size); pages that fall idle remember
+    /// the current epoch.
+    fn pages_live(&mut self, env: &Env<'_>, seg: SegmentId, addr: u64, size: u64, delta: i32) {
+        let epoch = self.epoch;
+        let segment = &mut self.segments[seg];
+        let (first, end) = Self::page_range(env, segment.addr, addr, size);
+        let SegmentKind::Vmm(pt) = &mut segment.kind else { return };
+        pt.cover(end);
+        for p in first..end {
+            if delta > 0 {
+                pt.live[p] += 1;
+                if pt.live[p] == 1 {
+                    pt.set_idle(p, false);
+                }
+            } else {
+                pt.live[p] -= 1;
+                if pt.live[p] == 0 && pt.handle[p].is_some() {
+                    pt.set_idle(p, true);
+                    pt.idle_epoch[p] = epoch;
+                }
+            }
+        }
+    }
+
+    /// Map every unmapped page under [addr, addr+size). Idle pages under the range are reused in
+    /// place; others come from the device pool, from this shard's idle pages elsewhere, or are
+    /// created. On error nothing changed.
+    fn map_range(
+        &mut self,
+        env: &Env<'_>,
+        seg: SegmentId,
+        addr: u64,
+        size: u64,
+    ) -> Result<(), ShardError> {
+        let ps = env.page_size();
+        let seg_addr = self.segments[seg].addr;
+        let (first, end) = Self::page_range(env, seg_addr, addr, size);
+        let missing: Vec<usize> = {
+            let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else { return Ok(()) };
+            pt.cover(end);
+            (first..end).filter(|&p| pt.handle[p].is_none()).collect()
+        };
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let pool_bytes = missing.len() as u64 * ps;
+        if !env.pool_budget.try_claim(pool_bytes) {
+            return Err(ShardError::OutOfMemory);
+        }
+        let mut got: Vec<PageHandle> = Vec::with_capacity(missing.len());
+        while got.len() < missing.len() {
+            let page = match env.pages.take() {
+                Some(p) => Ok(p),
+                None => match self.reclaim_idle_page(env, (seg, first, end)) {
+                    Some(p) => Ok(p),
+                    None => env.new_page(),
+                },
+            };
+            match page {
+                Ok(p) => got.push(p),
+                Err(e) => {
+                    for p in got {
+                        env.pages.put(p);
+                    }
+                    env.pool_budget.release(pool_bytes);
+                    return Err(e.into());
+                }
+            }
+        }
+        for (i, (&p, &h)) in missing.iter().zip(&got).enumerate() {
+            if let Err(e) = env.dev.map(seg_addr + p as u64 * ps, h) {
+                for &q in &missing[..i] {
+                    let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else { unreachable!() };
+                    let h = pt.handle[q].take();
+                    pt.mapped_count -= 1;
+                    let _ = env.dev.unmap(seg_addr + q as u64 * ps);
+                    if let Some(h) = h {
+                        env.pages.put(h);
+                    }
+                }
+                self.stats.reserved_bytes.update(self.segments[seg].small, -((i as u64 * ps) as i64));
+                for &h in &got[i..] {
+                    env.pages.put(h);
+                }
+                env.pool_budget.release(pool_bytes);
+                return Err(e.into());
+            }
+            let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else { unreachable!() };
+            pt.handle[p] = Some(h);
+            pt.mapped_count += 1;
+            self.stats.reserved_bytes.update(self.segments[seg].small, ps as i64);
+        }
+        self.stats.num_device_alloc += missing.len() as i64;
+        Ok(())
+    }
+
+    /// Unmap one idle page whose last use is known complete, skipping pages in `exclude`
+    /// (segment, first page, end page). Returns its physical handle.
+    fn reclaim_idle_page(
+        &mut self,
+        env: &Env<'_>,
+        exclude: (SegmentId, usize, usize),
+    ) -> Option<PageHandle> {
+        if env.capture_underway {
+            return None;
+        }
+        for attempt in 0..2 {
+            if let Some((seg, p)) = self.find_safe_idle(exclude) {
+                return self.unmap_page(env, seg, p).ok();
+            }
+            if attempt == 0 && !self.advance_epoch(env) {
+                return None;
+            }
+        }
+        None
+    }
+
+    fn find_safe_idle(&self, exclude: (SegmentId, usize, usize)) -> Option<(SegmentId, usize)> {
+        for (sid, seg) in self.segments.iter() {
+            let SegmentKind::Vmm(pt) = &seg.kind else { continue };
+            if pt.idle_count == 0 {
+                continue;
+            }
+            let found = pt.idle_pages().find(|&p| {
+                pt.idle_epoch[p] < self.safe_epoch
+                    && !(sid == exclude.0 && p >= exclude.1 && p < exclude.2)
+            });
+            if let Some(p) = found {
+                return Some((sid, p));
+            }
+        }
+        None
+    }
+
+    fn has_idle_pages(&self) -> bool {
+        self.segments.iter().any(|(_, s)| matches!(&s.kind, SegmentKind::Vmm(pt) if pt.idle_count > 0))
+    }
+
+    /// Record an event closing the current epoch (if idle pages wait on it) and retire completed
+    /// epoch events. Returns whether anything may have become safe.
+    fn advance_epoch(&mut self, env: &Env<'_>) -> bool {
+        if env.capture_underway || !self.has_idle_pages() {
+            return false;
+        }
+        if self.epoch_events.back().is_none_or(|&(e, _)| e < self.epoch)
+            && let Ok(ev) = env.events.get(env.dev)
+        {
+            if env.dev.record_event(ev, self.stream).is_ok() {
+                self.epoch_events.push_back((self.epoch, ev));
+                self.epoch += 1;
+            } else {
+                env.events.put(ev);
+            }
+        }
+        let mut advanced = false;
+        while let Some(&(e, ev)) = self.epoch_events.front() {
+            if env.dev.query_event(ev) != Ok(true) {
+                break;
+            }
+            self.epoch_events.pop_front();
+            env.events.put(ev);
+            self.safe_epoch = e + 1;
+            advanced = true;
+        }
+        advanced
+    }
+
+    /// Wait until every page idle now is safe to unmap.
+    fn synchronize_epochs(&mut self, env: &Env<'_>) {
+        if env.capture_underway || !self.has_idle_pages() {
+            return;
+        }
+        if let Ok(ev) = env.events.get(env.dev) {
+            if env.dev.record_event(ev, self.stream).is_ok() {
+                self.epoch_events.push_back((self.epoch, ev));
+                self.epoch += 1;
+            } else {
+                env.events.put(ev);
+            }
+        }
+        while let Some((e, ev)) = self.epoch_events.pop_front() {
+            if env.dev.synchronize_event(ev).is_err() {
+                self.epoch_events.push_front((e, ev));
+                return;
+            }
+            env.events.put(ev);
+            self.safe_epoch = e + 1;
+        }
+    }
+
+    fn unmap_page(
+        &mut self,
+        env: &Env<'_>,
+        seg: SegmentId,
+        p: usize,
+    ) -> Result<PageHandle, ShardError> {
+        let ps = env.page_size();
+        let segment = &mut self.segments[seg];
+        let small = segment.small;
+        let addr = segment.addr + p as u64 * ps;
+        let SegmentKind::Vmm(pt) = &mut segment.kind else {
+            return Err(ShardError::BadBlock("not a vmm segment"));
+        };
+        let h = pt.handle[p].ok_or(ShardError::BadBlock("page not mapped"))?;
+        env.dev.unmap(addr)?;
+        pt.handle[p] = None;
+        pt.mapped_count -= 1;
+        pt.set_idle(p, false);
+        env.pool_budget.release(ps);
+        self.stats.reserved_bytes.update(small, -(ps as i64));
+        self.stats.num_device_free += 1;
+        Ok(h)
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Releasing cached memory
+
+    /// Return cached memory to the backend: whole free classic segments, idle vmm pages (to the
+    /// device page pool when `keep_pages`, else released), and empty vmm reservations. With
+    /// `synchronize`, first wait for pending events so that everything free can go.
+    pub fn release_cached(&mut self, env: &Env<'_>, synchronize: bool, keep_pages: bool) -> Released {
+        let mut out = Released::default();
+        if env.capture_underway {
+            return out;
+        }
+        if synchronize {
+            self.synchronize_events(env);
+            self.synchronize_epochs(env);
+        } else {
+            self.process_events(env);
+            self.advance_epoch(env);
+        }
+        let ids: Vec<SegmentId> = self.segments.iter().map(|(i, _)| i).collect();
+        for seg in ids {
+            if self.segments[seg].is_vmm() {
+                let idle: Vec<usize> = {
+                    let SegmentKind::Vmm(pt) = &self.segments[seg].kind else { continue };
+                    pt.idle_pages().filter(|&p| pt.idle_epoch[p] < self.safe_epoch).collect()
+                };
+                for p in idle {
+                    let Ok(h) = self.unmap_page(env, seg, p) else { continue };
+                    out.bytes += env.page_size();
+                    if keep_pages {
+                        env.pages.put(h);
+                    } else if env.dev.release_page(h).is_ok() {
+                        env.budget.release(env.page_size());
+                    } else {
+                        env.pages.put(h);
+                    }
+                }
+            }
+            if let Some(bytes) = self.release_segment_if_unused(env, seg) {
+                out.segments += 1;
+                out.bytes += bytes;
+            }
+        }
+        out
+    }
+
+    /// Release a segment that is one free block (and, for vmm, has nothing mapped); returns the
+    /// physical bytes freed.
+    fn release_segment_if_unused(&mut self, env: &Env<'_>, seg: SegmentId) -> Option<u64> {
+        let s = self.segments.get(seg)?;
+        let b = &self.blocks[s.first];
+        if b.state != BlockState::Free || b.next.is_some() {
+            return None;
+        }
+        if let SegmentKind::Vmm(pt) = &s.kind
+            && pt.mapped_count > 0
+        {
+            return None;
+        }
+        let (addr, size, small, first, vmm) = (s.addr, s.size, s.small, s.first, s.is_vmm());
+        let freed = if vmm {
+            env.dev.release_reservation(addr, size)
+        } else {
+            env.dev.free_segment(addr, size)
+        };
+        if freed.is_err() {
+            return None;
+        }
+        self.index_remove(first);
+        self.blocks.remove(first);
+        self.segments.remove(seg);
+        self.stats.segment.update(small, -1);
+        if !vmm {
+            env.budget.release(size);
+            self.stats.reserved_bytes.update(small, -(size as i64));
+            self.stats.num_device_free += 1;
+            env.pool_budget.release(size);
+            if env.policy.is_oversize(size) {
+                self.stats.oversize_segments.update(-1);
+            }
+        }
+        Some(if vmm { 0 } else { size })
+    }
+
+    /// Release everything on pool destruction: returns the number of blocks still live (which
+    /// are then kept).
+    pub fn live_or_pending(&self) -> usize {
+        self.blocks.iter().filter(|(_, b)| b.state != BlockState::Free).count()
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Invariants
+
+    /// Check every numbered invariant of [`Shard`]; the error names the first one broken.
+    pub fn check_invariants(&self, page_size: u64) -> Result<(), String> {
+        let mut seen = 0usize;
+        let mut recount = MemoryStats::default();
+        let mut free_seen = 0usize;
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        for (sid, seg) in self.segments.iter() {
+            ranges.push((seg.addr, seg.addr + seg.size));
+            let small = seg.small;
+            recount.segment.update(small, 1);
+            if !seg.is_vmm() {
+                recount.reserved_bytes.update(small, seg.size as i64);
+            }
+            let mut expect_addr = seg.addr;
+            let mut prev: Option<BlockId> = None;
+            let mut prev_free = false;
+            let mut next = Some(seg.first);
+            let mut live_pages: Vec<u32> = Vec::new();
+            while let Some(id) = next {
+                let b = self.blocks.get(id).ok_or(format!("1: segment {sid} links to a missing block {id}"))?;
+                seen += 1;
+                if b.segment != sid {
+                    return Err(format!("5: block {id} in segment {sid}'s chain says segment {}", b.segment));
+                }
+                if b.addr != expect_addr {
+                    return Err(format!("1: block {id} at {:#x}, expected {:#x}", b.addr, expect_addr));
+                }
+                if b.prev != prev {
+                    return Err(format!("1: block {id} prev link {:?} != {:?}", b.prev, prev));
+                }
+                if b.size == 0 {
+                    return Err(format!("1: block {id} has size 0"));
+                }
+                let is_free = b.state == BlockState::Free;
+                if is_free && prev_free {
+                    return Err(format!("2: free block {id} at {:#x} follows a free block", b.addr));
+                }
+                match b.state {
+                    BlockState::Free => {
+                        free_seen += 1;
+                        let index = if small { &self.free_small } else { &self.free_large };
+                        if !index.contains(&(b.size, b.addr, id)) {
+                            return Err(format!("3: free block {id} at {:#x} not indexed", b.addr));
+                        }
+                        if b.pending_events != 0 || !b.stream_uses.is_empty() {
+                            return Err(format!("4: free block {id} has events or stream uses"));
+                        }
+                        if !seg.is_vmm() && (b.prev.is_some() || b.next.is_some()) {
+                            recount.inactive_split.update(small, 1);
+                            recount.inactive_split_bytes.update(small, b.size as i64);
+                        }
+                    }
+                    BlockState::Allocated | BlockState::PendingFree => {
+                        if b.state == BlockState::Allocated {
+                            if b.pending_events != 0 {
+                                return Err(format!("4: allocated block {id} has pending events"));
+                            }
+                            recount.allocation.update(small, 1);
+                            recount.allocated_bytes.update(small, b.size as i64);
+                            if !seg.is_vmm() && b.size >= self.stats_max_split() {
+                                recount.oversize_allocations.update(1);
+                            }
+                        } else {
+                            let waits = self.pending.iter().filter(|(_, x)| *x == id).count();
+                            if waits as u32 != b.pending_events
+                                || (waits == 0 && !self.deferred.contains(&id))
+                            {
+                                return Err(format!(
+                                    "4: pending block {id} counts {} events, {} queued",
+                                    b.pending_events, waits
+                                ));
+                            }
+                        }
+                        recount.active.update(small, 1);
+                        recount.active_bytes.update(small, b.size as i64);
+                        recount.requested_bytes.update(small, b.requested as i64);
+                        if let SegmentKind::Vmm(_) = seg.kind {
+                            let first = ((b.addr - seg.addr) / page_size) as usize;
+                            let end = (b.end() - seg.addr).div_ceil(page_size) as usize;
+                            if live_pages.len() < end {
+                                live_pages.resize(end, 0);
+                            }
+                            for lp in &mut live_pages[first..end] {
+                                *lp += 1;
+                            }
+                        }
+                    }
+                }
+                prev_free = is_free;
+                expect_addr = b.end();
+                prev = Some(id);
+                next = b.next;
+            }
+            if expect_addr != seg.addr + seg.size {
+                return Err(format!("1: segment {sid} blocks end at {:#x}, segment at {:#x}", expect_addr, seg.addr + seg.size));
+            }
+            if let SegmentKind::Vmm(pt) = &seg.kind {
+                let mut mapped = 0;
+                let mut idle = 0;
+                for p in 0..pt.handle.len().max(live_pages.len()) {
+                    let want = live_pages.get(p).copied().unwrap_or(0);
+                    let have = pt.live.get(p).copied().unwrap_or(0);
+                    if want != have {
+                        return Err(format!("6: segment {sid} page {p} live {have}, recount {want}"));
+                    }
+                    let is_mapped = pt.handle.get(p).is_some_and(|h| h.is_some());
+                    if want > 0 && !is_mapped {
+                        return Err(format!("6: segment {sid} page {p} is live but not mapped"));
+                    }
+                    if is_mapped {
+                        mapped += 1;
+                    }
+                    let should_idle = is_mapped && want == 0;
+                    if pt.is_idle(p) != should_idle {
+                        return Err(format!("6: segment {sid} page {p} idle bit is {}", pt.is_idle(p)));
+                    }
+                    if should_idle {
+                        idle += 1;
+                    }
+                }
+                if mapped != pt.mapped_count || idle != pt.idle_count {
+                    return Err(format!("6: segment {sid} page counts {}/{} vs {mapped}/{idle}", pt.mapped_count, pt.idle_count));
+                }
+                recount.reserved_bytes.update(small, (mapped as u64 * page_size) as i64);
+            }
+        }
+        if seen != self.blocks.len() {
+            return Err(format!("5: {} blocks in the slab, {seen} in segment chains", self.blocks.len()));
+        }
+        if free_seen != self.free_small.len() + self.free_large.len() {
+            return Err(format!("3: {free_seen} free blocks, {} indexed", self.free_small.len() + self.free_large.len()));
+        }
+        ranges.sort_unstable();
+        if ranges.windows(2).any(|w| w[0].1 > w[1].0) {
+            return Err("5: segments overlap".into());
+        }
+        let st = &self.stats;
+        let pairs = [
+            ("allocation", &st.allocation, &recount.allocation),
+            ("segment", &st.segment, &recount.segment),
+            ("active", &st.active, &recount.active),
+            ("inactive_split", &st.inactive_split, &recount.inactive_split),
+            ("allocated_bytes", &st.allocated_bytes, &recount.allocated_bytes),
+            ("reserved_bytes", &st.reserved_bytes, &recount.reserved_bytes),
+            ("active_bytes", &st.active_bytes, &recount.active_bytes),
+            ("inactive_split_bytes", &st.inactive_split_bytes, &recount.inactive_split_bytes),
+            ("requested_bytes", &st.requested_bytes, &recount.requested_bytes),
+        ];
+        for (name, have, want) in pairs {
+            for (part, h, w) in [
+                ("all", have.all.current, want.all.current),
+                ("small_pool", have.small_pool.current, want.small_pool.current),
+                ("large_pool", have.large_pool.current, want.large_pool.current),
+            ] {
+                if h != w {
+                    return Err(format!("7: {name}.{part}.current is {h}, recount {w}"));
+                }
+            }
+        }
+        if st.oversize_allocations.current != recount.oversize_allocations.current {
+            return Err("7: oversize_allocations differs from a recount".into());
+        }
+        Ok(())
+    }
+
+    fn stats_max_split(&self) -> u64 {
+        if self.stats.max_split_size == i64::MAX { u64::MAX } else { self.stats.max_split_size as u64 }
+    }
+}

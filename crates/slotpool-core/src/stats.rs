@@ -1,0 +1,257 @@
+//! Statistics with PyTorch's `memory_stats()` keys and meanings.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+/// One statistic: current value, peak since the last reset, and totals since the last reset.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Stat {
+    pub current: i64,
+    pub peak: i64,
+    pub allocated: i64,
+    pub freed: i64,
+}
+
+impl Stat {
+    /// Add `amount` (may be negative), tracking the peak and the totals.
+    #[inline]
+    pub fn update(&mut self, amount: i64) {
+        self.current += amount;
+        if self.current > self.peak {
+            self.peak = self.current;
+        }
+        if amount > 0 {
+            self.allocated += amount;
+        } else {
+            self.freed -= amount;
+        }
+    }
+
+    fn merge(&mut self, other: &Stat) {
+        self.current += other.current;
+        self.peak += other.peak;
+        self.allocated += other.allocated;
+        self.freed += other.freed;
+    }
+}
+
+/// Which of PyTorch's pool breakdowns a statistic belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatType {
+    Small,
+    Large,
+}
+
+/// A statistic broken down as PyTorch does: all, small_pool, large_pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StatArray {
+    pub all: Stat,
+    pub small_pool: Stat,
+    pub large_pool: Stat,
+}
+
+impl StatArray {
+    /// Update `all` and the breakdown named by `small`.
+    #[inline]
+    pub fn update(&mut self, small: bool, amount: i64) {
+        if amount == 0 {
+            return;
+        }
+        self.all.update(amount);
+        if small {
+            self.small_pool.update(amount);
+        } else {
+            self.large_pool.update(amount);
+        }
+    }
+
+    fn merge(&mut self, other: &StatArray) {
+        self.all.merge(&other.all);
+        self.small_pool.merge(&other.small_pool);
+        self.large_pool.merge(&other.large_pool);
+    }
+
+    fn each_mut(&mut self) -> [&mut Stat; 3] {
+        [&mut self.all, &mut self.small_pool, &mut self.large_pool]
+    }
+}
+
+/// PyTorch's `DeviceStats`, for a device or for one pool.
+///
+/// Meanings follow PyTorch: `allocation` and `allocated_bytes` count blocks handed out and not yet
+/// freed by the user (rounded sizes); `active` additionally counts blocks freed by the user but
+/// waiting for cross-stream events; `requested_bytes` are the sizes asked for; `segment` and
+/// `reserved_bytes` are backend memory (segments in classic mode, mapped 2 MiB pages in vmm mode);
+/// `inactive_split` are free blocks that are part of a split classic segment.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MemoryStats {
+    pub allocation: StatArray,
+    pub segment: StatArray,
+    pub active: StatArray,
+    pub inactive_split: StatArray,
+    pub allocated_bytes: StatArray,
+    pub reserved_bytes: StatArray,
+    pub active_bytes: StatArray,
+    pub inactive_split_bytes: StatArray,
+    pub requested_bytes: StatArray,
+    pub num_alloc_retries: i64,
+    pub num_ooms: i64,
+    pub num_sync_all_streams: i64,
+    pub num_device_alloc: i64,
+    pub num_device_free: i64,
+    pub oversize_allocations: Stat,
+    pub oversize_segments: Stat,
+    pub max_split_size: i64,
+}
+
+impl MemoryStats {
+    /// Add another set of statistics into this one. Peaks add up, so a sum over shards gives an
+    /// upper bound of the device peak (exact when one shard was active).
+    pub fn merge(&mut self, other: &MemoryStats) {
+        for (a, b) in self.arrays_mut().into_iter().zip(other.arrays()) {
+            a.merge(b);
+        }
+        self.num_alloc_retries += other.num_alloc_retries;
+        self.num_ooms += other.num_ooms;
+        self.num_sync_all_streams += other.num_sync_all_streams;
+        self.num_device_alloc += other.num_device_alloc;
+        self.num_device_free += other.num_device_free;
+        self.oversize_allocations.merge(&other.oversize_allocations);
+        self.oversize_segments.merge(&other.oversize_segments);
+    }
+
+    fn arrays(&self) -> [&StatArray; 9] {
+        [
+            &self.allocation,
+            &self.segment,
+            &self.active,
+            &self.inactive_split,
+            &self.allocated_bytes,
+            &self.reserved_bytes,
+            &self.active_bytes,
+            &self.inactive_split_bytes,
+            &self.requested_bytes,
+        ]
+    }
+
+    fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
+        [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
+    /// `reset_peak_memory_stats`: every peak becomes the current value.
+    pub fn reset_peak(&mut self) {
+        for a in self.arrays_mut() {
+            for s in a.each_mut() {
+                s.peak = s.current;
+            }
+        }
+        self.oversize_allocations.peak = self.oversize_allocations.current;
+        self.oversize_segments.peak = self.oversize_segments.current;
+    }
+
+    /// `reset_accumulated_memory_stats`: totals and event counters go to zero.
+    pub fn reset_accumulated(&mut self) {
+        for a in self.arrays_mut() {
+            for s in a.each_mut() {
+                s.allocated = 0;
+                s.freed = 0;
+            }
+        }
+        for s in [&mut self.oversize_allocations, &mut self.oversize_segments] {
+            s.allocated = 0;
+            s.freed = 0;
+        }
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_sync_all_streams = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+    }
+
+    /// The flat dictionary of `torch.cuda.memory_stats()`: keys such as
+    /// `allocated_bytes.all.current` or `num_alloc_retries`.
+    pub fn to_flat_map(&self) -> BTreeMap<String, i64> {
+        let names = [
+            "allocation",
+            "segment",
+            "active",
+            "inactive_split",
+            "allocated_bytes",
+            "reserved_bytes",
+            "active_bytes",
+            "inactive_split_bytes",
+            "requested_bytes",
+        ];
+        let mut out = BTreeMap::new();
+        for (name, arr) in names.iter().zip(self.arrays()) {
+            for (pool, s) in [
+                ("all", &arr.all),
+                ("small_pool", &arr.small_pool),
+                ("large_pool", &arr.large_pool),
+            ] {
+                put_stat(&mut out, &format!("{name}.{pool}"), s);
+            }
+        }
+        put_stat(&mut out, "oversize_allocations", &self.oversize_allocations);
+        put_stat(&mut out, "oversize_segments", &self.oversize_segments);
+        out.insert("num_alloc_retries".into(), self.num_alloc_retries);
+        out.insert("num_ooms".into(), self.num_ooms);
+        out.insert("num_sync_all_streams".into(), self.num_sync_all_streams);
+        out.insert("num_device_alloc".into(), self.num_device_alloc);
+        out.insert("num_device_free".into(), self.num_device_free);
+        out.insert("max_split_size".into(), self.max_split_size);
+        out
+    }
+}
+
+fn put_stat(out: &mut BTreeMap<String, i64>, prefix: &str, s: &Stat) {
+    out.insert(format!("{prefix}.current"), s.current);
+    out.insert(format!("{prefix}.peak"), s.peak);
+    out.insert(format!("{prefix}.allocated"), s.allocated);
+    out.insert(format!("{prefix}.freed"), s.freed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_peak_and_totals() {
+        let mut s = Stat::default();
+        s.update(10);
+        s.update(-4);
+        s.update(3);
+        assert_eq!(s, Stat { current: 9, peak: 10, allocated: 13, freed: 4 });
+    }
+
+    #[test]
+    fn flat_map_has_pytorch_keys_and_resets_work() {
+        let mut m = MemoryStats::default();
+        m.allocated_bytes.update(true, 512);
+        m.allocated_bytes.update(true, -512);
+        m.num_ooms = 2;
+        let flat = m.to_flat_map();
+        assert_eq!(flat["allocated_bytes.all.peak"], 512);
+        assert_eq!(flat["allocated_bytes.small_pool.freed"], 512);
+        assert_eq!(flat["allocated_bytes.large_pool.current"], 0);
+        assert_eq!(flat["num_ooms"], 2);
+        assert!(flat.contains_key("inactive_split_bytes.all.current"));
+        assert!(flat.contains_key("requested_bytes.all.allocated"));
+        m.reset_peak();
+        assert_eq!(m.allocated_bytes.all.peak, 0);
+        m.reset_accumulated();
+        assert_eq!(m.allocated_bytes.all.freed, 0);
+        assert_eq!(m.num_ooms, 0);
+    }
+}
