@@ -155,7 +155,8 @@ impl<D: Device> Allocator<D> {
                 "memory fraction {fraction} is not in (0, 1]"
             )));
         }
-        self.budget.set_limit((self.dev.total_memory() as f64 * fraction) as u64);
+        self.budget
+            .set_limit((self.dev.total_memory() as f64 * fraction) as u64);
         Ok(())
     }
 
@@ -321,7 +322,9 @@ impl<D: Device> Allocator<D> {
     /// stream only after the work queued on `stream` before its free has completed.
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> AllocResult<()> {
         let (cell, id) = self.ptrs.get(ptr).ok_or(AllocError::UnknownPointer(ptr))?;
-        lock(&cell.shard).record_stream(id, stream).map_err(shard_error)
+        lock(&cell.shard)
+            .record_stream(id, stream)
+            .map_err(shard_error)
     }
 
     /// (base, size) of the live allocation that starts at `ptr`.
@@ -445,7 +448,9 @@ impl<D: Device> Allocator<D> {
     /// (PyTorch's `createOrIncrefPool`).
     pub fn create_or_incref_pool(&self, id: PoolId, options: PoolOptions) -> AllocResult<u64> {
         if id.is_default() {
-            return Err(AllocError::InvalidArgument("the default pool always exists".into()));
+            return Err(AllocError::InvalidArgument(
+                "the default pool always exists".into(),
+            ));
         }
         let mut pools = lock(&self.pools);
         let e = pools.entry(id).or_insert_with(|| PoolEntry {
@@ -465,11 +470,17 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::InvalidArgument("empty pool name".into()));
         }
         let mut pools = lock(&self.pools);
-        if let Some((id, e)) = pools.iter_mut().find(|(_, e)| e.name.as_deref() == Some(name)) {
+        if let Some((id, e)) = pools
+            .iter_mut()
+            .find(|(_, e)| e.name.as_deref() == Some(name))
+        {
             e.use_count += 1;
             return Ok(*id);
         }
-        let id = PoolId(0, (1 << 63) | self.next_named_pool.fetch_add(1, Ordering::Relaxed));
+        let id = PoolId(
+            0,
+            (1 << 63) | self.next_named_pool.fetch_add(1, Ordering::Relaxed),
+        );
         pools.insert(
             id,
             PoolEntry {
@@ -484,12 +495,18 @@ impl<D: Device> Allocator<D> {
 
     /// The id of the pool named `name`, if any.
     pub fn pool_by_name(&self, name: &str) -> Option<PoolId> {
-        lock(&self.pools).iter().find(|(_, e)| e.name.as_deref() == Some(name)).map(|(id, _)| *id)
+        lock(&self.pools)
+            .iter()
+            .find(|(_, e)| e.name.as_deref() == Some(name))
+            .map(|(id, _)| *id)
     }
 
     /// Use count of a pool (`MemPool.use_count()`).
     pub fn pool_use_count(&self, id: PoolId) -> AllocResult<u64> {
-        lock(&self.pools).get(&id).map(|e| e.use_count).ok_or(AllocError::UnknownPool(id))
+        lock(&self.pools)
+            .get(&id)
+            .map(|e| e.use_count)
+            .ok_or(AllocError::UnknownPool(id))
     }
 
     /// Change a pool's options (`setUseOnOOM`, `setNoSplit`, byte limit).
@@ -503,19 +520,26 @@ impl<D: Device> Allocator<D> {
 
     /// A pool's options.
     pub fn pool_options(&self, id: PoolId) -> AllocResult<PoolOptions> {
-        lock(&self.pools).get(&id).map(|e| e.options.clone()).ok_or(AllocError::UnknownPool(id))
+        lock(&self.pools)
+            .get(&id)
+            .map(|e| e.options.clone())
+            .ok_or(AllocError::UnknownPool(id))
     }
 
     /// Drop one use of a pool (`releasePool`). At zero the pool is freeable: its cached memory
     /// returns on `empty_cache` or under memory pressure, and it is forgotten once empty.
     pub fn release_pool(&self, id: PoolId) -> AllocResult<u64> {
         if id.is_default() {
-            return Err(AllocError::InvalidArgument("the default pool cannot be released".into()));
+            return Err(AllocError::InvalidArgument(
+                "the default pool cannot be released".into(),
+            ));
         }
         let mut pools = lock(&self.pools);
         let e = pools.get_mut(&id).ok_or(AllocError::UnknownPool(id))?;
         if e.use_count == 0 {
-            return Err(AllocError::InvalidState(format!("pool {id} was already released")));
+            return Err(AllocError::InvalidState(format!(
+                "pool {id} was already released"
+            )));
         }
         e.use_count -= 1;
         Ok(e.use_count)
@@ -533,11 +557,15 @@ impl<D: Device> Allocator<D> {
     /// first; a pool already being recorded to is refused.
     pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: RouteFilter) -> AllocResult<()> {
         if pool.is_default() {
-            return Err(AllocError::InvalidArgument("cannot route to the default pool".into()));
+            return Err(AllocError::InvalidArgument(
+                "cannot route to the default pool".into(),
+            ));
         }
         let mut routes = lock(&self.routes);
         if routes.iter().any(|r| r.pool == pool) {
-            return Err(AllocError::InvalidState(format!("already recording to pool {pool}")));
+            return Err(AllocError::InvalidState(format!(
+                "already recording to pool {pool}"
+            )));
         }
         self.create_or_incref_pool(pool, PoolOptions::default())?;
         if matches!(filter, RouteFilter::Capture(_)) {
@@ -691,6 +719,15 @@ impl<D: Device> Allocator<D> {
         out
     }
 
+    /// Bytes handed out now (rounded), summed over shards: `memory_allocated()`.
+    pub fn allocated_bytes(&self) -> u64 {
+        let shards = lock(&self.shards);
+        shards
+            .values()
+            .map(|c| lock(&c.shard).stats.allocated_bytes.all.current as u64)
+            .sum()
+    }
+
     /// Statistics of one pool.
     pub fn pool_stats(&self, pool: PoolId) -> AllocResult<MemoryStats> {
         if !lock(&self.pools).contains_key(&pool) {
@@ -721,7 +758,11 @@ impl<D: Device> Allocator<D> {
 
     /// The largest cached free block (`cacheInfo`, used by cuDNN benchmark).
     pub fn largest_free_block(&self) -> u64 {
-        self.all_shards().values().map(|c| lock(&c.shard).largest_free()).max().unwrap_or(0)
+        self.all_shards()
+            .values()
+            .map(|c| lock(&c.shard).largest_free())
+            .max()
+            .unwrap_or(0)
     }
 
     // ----------------------------------------------------------------------------------------
@@ -743,7 +784,8 @@ impl<D: Device> Allocator<D> {
         let mut per_pool: FxHashMap<PoolId, u64> = FxHashMap::default();
         for (&(pool, stream), cell) in &shards {
             let s = lock(&cell.shard);
-            s.check_invariants(ps).map_err(|e| format!("shard {pool}/{stream}: invariant {e}"))?;
+            s.check_invariants(ps)
+                .map_err(|e| format!("shard {pool}/{stream}: invariant {e}"))?;
             let reserved = s.stats.reserved_bytes.all.current as u64;
             held += reserved;
             *per_pool.entry(pool).or_default() += reserved;
@@ -776,13 +818,19 @@ impl<D: Device> Allocator<D> {
             return Err("2: segments of different shards overlap".into());
         }
         if held != self.budget.held() {
-            return Err(format!("3: {} bytes held by the budget, {held} counted", self.budget.held()));
+            return Err(format!(
+                "3: {} bytes held by the budget, {held} counted",
+                self.budget.held()
+            ));
         }
         let pools = lock(&self.pools);
         for (id, e) in pools.iter() {
             let have = per_pool.get(id).copied().unwrap_or(0);
             if !id.is_default() && e.budget.held() != have {
-                return Err(format!("4: pool {id} budget {} vs {have} held", e.budget.held()));
+                return Err(format!(
+                    "4: pool {id} budget {} vs {have} held",
+                    e.budget.held()
+                ));
             }
         }
         Ok(())

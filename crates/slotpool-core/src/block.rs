@@ -84,7 +84,9 @@ impl PageTable {
     }
 
     pub fn is_idle(&self, p: usize) -> bool {
-        self.idle_bits.get(p / 64).is_some_and(|w| w & (1 << (p % 64)) != 0)
+        self.idle_bits
+            .get(p / 64)
+            .is_some_and(|w| w & (1 << (p % 64)) != 0)
     }
 
     /// Idle pages in ascending order.

@@ -81,7 +81,9 @@ impl Config {
     fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
         let bad = |what: &str| ConfigError(format!("{key}: {what} (got {value:?})"));
         let mb = |v: &str| -> Result<u64, ConfigError> {
-            v.parse::<u64>().map_err(|_| bad("expected a whole number of MiB")).map(|n| n * MIB)
+            v.parse::<u64>()
+                .map_err(|_| bad("expected a whole number of MiB"))
+                .map(|n| n * MIB)
         };
         match key {
             "growth" => {
@@ -135,7 +137,8 @@ impl Config {
                 self.memory_fraction = Some(f);
             }
             "roundup_power2_divisions" => {
-                self.policy.roundup_power2_divisions = parse_divisions(value).map_err(|w| bad(&w))?;
+                self.policy.roundup_power2_divisions =
+                    parse_divisions(value).map_err(|w| bad(&w))?;
             }
             _ => {
                 return Err(ConfigError(format!(
@@ -189,16 +192,31 @@ fn split_pairs(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
 /// plain list `[1,2,4,...]` per bucket. Values are powers of two or 0.
 fn parse_divisions(v: &str) -> Result<[u64; ROUNDUP_BUCKETS], String> {
     let check = |d: u64| {
-        if d == 0 || d.is_power_of_two() { Ok(d) } else { Err(format!("{d} is not a power of two")) }
+        if d == 0 || d.is_power_of_two() {
+            Ok(d)
+        } else {
+            Err(format!("{d} is not a power of two"))
+        }
     };
-    let num = |t: &str| t.trim().parse::<u64>().map_err(|_| format!("{t:?} is not a number"));
+    let num = |t: &str| {
+        t.trim()
+            .parse::<u64>()
+            .map_err(|_| format!("{t:?} is not a number"))
+    };
     let mut out = [0u64; ROUNDUP_BUCKETS];
     if !v.starts_with('[') {
         let d = check(num(v)?)?;
         return Ok([d; ROUNDUP_BUCKETS]);
     }
-    let inner = v.strip_prefix('[').and_then(|x| x.strip_suffix(']')).ok_or("unbalanced list")?;
-    let items: Vec<&str> = inner.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
+    let inner = v
+        .strip_prefix('[')
+        .and_then(|x| x.strip_suffix(']'))
+        .ok_or("unbalanced list")?;
+    let items: Vec<&str> = inner
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .collect();
     if items.iter().all(|t| !t.contains(':')) {
         if items.len() > ROUNDUP_BUCKETS {
             return Err(format!("at most {ROUNDUP_BUCKETS} values"));
@@ -210,7 +228,9 @@ fn parse_divisions(v: &str) -> Result<[u64; ROUNDUP_BUCKETS], String> {
     }
     let mut last = 0usize;
     for t in items {
-        let (k, d) = t.split_once(':').ok_or_else(|| format!("{t:?} is not size:divisions"))?;
+        let (k, d) = t
+            .split_once(':')
+            .ok_or_else(|| format!("{t:?} is not size:divisions"))?;
         let d = check(num(d)?)?;
         if k.trim() == ">" {
             for slot in out.iter_mut().skip(last) {

@@ -18,7 +18,10 @@ pub struct Budget {
 
 impl Budget {
     pub fn new(limit: u64) -> Self {
-        Budget { held: AtomicU64::new(0), limit: AtomicU64::new(limit) }
+        Budget {
+            held: AtomicU64::new(0),
+            limit: AtomicU64::new(limit),
+        }
     }
 
     pub fn held(&self) -> u64 {
@@ -141,6 +144,8 @@ impl Env<'_> {
         if !self.budget.try_claim(ps) {
             return Err(DeviceError::OutOfMemory);
         }
-        self.dev.create_page().inspect_err(|_| self.budget.release(ps))
+        self.dev
+            .create_page()
+            .inspect_err(|_| self.budget.release(ps))
     }
 }

@@ -151,7 +151,10 @@ mod tests {
 
     #[test]
     fn roundup_power2_divisions_match_pytorch() {
-        let mut p = SizePolicy { roundup_power2_divisions: [4; ROUNDUP_BUCKETS], ..Default::default() };
+        let mut p = SizePolicy {
+            roundup_power2_divisions: [4; ROUNDUP_BUCKETS],
+            ..Default::default()
+        };
         // PyTorch's own example: 1200 B with 4 divisions stays on 512 B steps below 512*4...
         assert_eq!(p.round_size(1200), 1536);
         // ...and above it rounds to quarter steps between powers of two.

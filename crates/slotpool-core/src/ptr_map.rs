@@ -27,7 +27,11 @@ impl<V: Clone> Default for PtrMap<V> {
 
 impl<V: Clone> PtrMap<V> {
     pub fn new() -> Self {
-        PtrMap { shards: (0..SHARDS).map(|_| CachePadded::new(Mutex::new(FxHashMap::default()))).collect() }
+        PtrMap {
+            shards: (0..SHARDS)
+                .map(|_| CachePadded::new(Mutex::new(FxHashMap::default())))
+                .collect(),
+        }
     }
 
     #[inline]

@@ -134,7 +134,10 @@ impl Shard {
 
     /// Number of blocks handed out and not yet freed (or pending).
     pub fn live_blocks(&self) -> usize {
-        self.blocks.iter().filter(|(_, b)| b.state != BlockState::Free).count()
+        self.blocks
+            .iter()
+            .filter(|(_, b)| b.state != BlockState::Free)
+            .count()
     }
 
     /// The largest free block (`cacheInfo`).
@@ -145,7 +148,11 @@ impl Shard {
     }
 
     fn index(&mut self, small: bool) -> &mut BTreeSet<FreeKey> {
-        if small { &mut self.free_small } else { &mut self.free_large }
+        if small {
+            &mut self.free_small
+        } else {
+            &mut self.free_large
+        }
     }
 
     fn is_inactive_split(&self, id: BlockId) -> bool {
@@ -172,7 +179,9 @@ impl Shard {
         };
         if self.is_inactive_split(id) {
             self.stats.inactive_split.update(small, -1);
-            self.stats.inactive_split_bytes.update(small, -(size as i64));
+            self.stats
+                .inactive_split_bytes
+                .update(small, -(size as i64));
         }
         let removed = self.index(small).remove(&(size, addr, id));
         debug_assert!(removed, "free block missing from the index");
@@ -208,7 +217,11 @@ impl Shard {
     }
 
     fn find_free(&self, env: &Env<'_>, rounded: u64, small: bool) -> Option<BlockId> {
-        let index = if small { &self.free_small } else { &self.free_large };
+        let index = if small {
+            &self.free_small
+        } else {
+            &self.free_large
+        };
         let &(size, _, id) = index.range((rounded, 0, 0)..).next()?;
         if env.growth == GrowthMode::Classic && !env.policy.may_serve(size, rounded) {
             return None;
@@ -247,7 +260,13 @@ impl Shard {
             }
         };
         self.stats.segment.update(small, 1);
-        let seg = self.segments.insert(Segment { addr, size, small, first: usize::MAX, kind });
+        let seg = self.segments.insert(Segment {
+            addr,
+            size,
+            small,
+            first: usize::MAX,
+            kind,
+        });
         let id = self.blocks.insert(Block {
             addr,
             size,
@@ -327,13 +346,20 @@ impl Shard {
 
     /// The user frees block `id`. It becomes free at once unless other streams used it.
     pub fn free(&mut self, env: &Env<'_>, id: BlockId) -> Result<(), ShardError> {
-        let b = self.blocks.get(id).ok_or(ShardError::BadBlock("unknown block"))?;
+        let b = self
+            .blocks
+            .get(id)
+            .ok_or(ShardError::BadBlock("unknown block"))?;
         if b.state != BlockState::Allocated {
             return Err(ShardError::BadBlock("block is not allocated"));
         }
         let (size, small, oversize) = {
             let seg = &self.segments[b.segment];
-            (b.size, seg.small, !seg.is_vmm() && env.policy.is_oversize(b.size))
+            (
+                b.size,
+                seg.small,
+                !seg.is_vmm() && env.policy.is_oversize(b.size),
+            )
         };
         self.stats.allocation.update(small, -1);
         self.stats.allocated_bytes.update(small, -(size as i64));
@@ -358,7 +384,10 @@ impl Shard {
         if stream == self.stream {
             return Ok(());
         }
-        let b = self.blocks.get_mut(id).ok_or(ShardError::BadBlock("unknown block"))?;
+        let b = self
+            .blocks
+            .get_mut(id)
+            .ok_or(ShardError::BadBlock("unknown block"))?;
         if b.state != BlockState::Allocated {
             return Err(ShardError::BadBlock("block is not allocated"));
         }
@@ -510,7 +539,9 @@ impl Shard {
         let epoch = self.epoch;
         let segment = &mut self.segments[seg];
         let (first, end) = Self::page_range(env, segment.addr, addr, size);
-        let SegmentKind::Vmm(pt) = &mut segment.kind else { return };
+        let SegmentKind::Vmm(pt) = &mut segment.kind else {
+            return;
+        };
         pt.cover(end);
         for p in first..end {
             if delta > 0 {
@@ -542,7 +573,9 @@ impl Shard {
         let seg_addr = self.segments[seg].addr;
         let (first, end) = Self::page_range(env, seg_addr, addr, size);
         let missing: Vec<usize> = {
-            let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else { return Ok(()) };
+            let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
+                return Ok(());
+            };
             pt.cover(end);
             (first..end).filter(|&p| pt.handle[p].is_none()).collect()
         };
@@ -576,7 +609,9 @@ impl Shard {
         for (i, (&p, &h)) in missing.iter().zip(&got).enumerate() {
             if let Err(e) = env.dev.map(seg_addr + p as u64 * ps, h) {
                 for &q in &missing[..i] {
-                    let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else { unreachable!() };
+                    let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
+                        unreachable!()
+                    };
                     let h = pt.handle[q].take();
                     pt.mapped_count -= 1;
                     let _ = env.dev.unmap(seg_addr + q as u64 * ps);
@@ -584,17 +619,23 @@ impl Shard {
                         env.pages.put(h);
                     }
                 }
-                self.stats.reserved_bytes.update(self.segments[seg].small, -((i as u64 * ps) as i64));
+                self.stats
+                    .reserved_bytes
+                    .update(self.segments[seg].small, -((i as u64 * ps) as i64));
                 for &h in &got[i..] {
                     env.pages.put(h);
                 }
                 env.pool_budget.release(pool_bytes);
                 return Err(e.into());
             }
-            let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else { unreachable!() };
+            let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
+                unreachable!()
+            };
             pt.handle[p] = Some(h);
             pt.mapped_count += 1;
-            self.stats.reserved_bytes.update(self.segments[seg].small, ps as i64);
+            self.stats
+                .reserved_bytes
+                .update(self.segments[seg].small, ps as i64);
         }
         self.stats.num_device_alloc += missing.len() as i64;
         Ok(())
@@ -623,7 +664,9 @@ impl Shard {
 
     fn find_safe_idle(&self, exclude: (SegmentId, usize, usize)) -> Option<(SegmentId, usize)> {
         for (sid, seg) in self.segments.iter() {
-            let SegmentKind::Vmm(pt) = &seg.kind else { continue };
+            let SegmentKind::Vmm(pt) = &seg.kind else {
+                continue;
+            };
             if pt.idle_count == 0 {
                 continue;
             }
@@ -639,7 +682,9 @@ impl Shard {
     }
 
     fn has_idle_pages(&self) -> bool {
-        self.segments.iter().any(|(_, s)| matches!(&s.kind, SegmentKind::Vmm(pt) if pt.idle_count > 0))
+        self.segments
+            .iter()
+            .any(|(_, s)| matches!(&s.kind, SegmentKind::Vmm(pt) if pt.idle_count > 0))
     }
 
     /// Record an event closing the current epoch (if idle pages wait on it) and retire completed
@@ -648,7 +693,10 @@ impl Shard {
         if env.capture_underway || !self.has_idle_pages() {
             return false;
         }
-        if self.epoch_events.back().is_none_or(|&(e, _)| e < self.epoch)
+        if self
+            .epoch_events
+            .back()
+            .is_none_or(|&(e, _)| e < self.epoch)
             && let Ok(ev) = env.events.get(env.dev)
         {
             if env.dev.record_event(ev, self.stream).is_ok() {
@@ -724,7 +772,12 @@ impl Shard {
     /// Return cached memory to the backend: whole free classic segments, idle vmm pages (to the
     /// device page pool when `keep_pages`, else released), and empty vmm reservations. With
     /// `synchronize`, first wait for pending events so that everything free can go.
-    pub fn release_cached(&mut self, env: &Env<'_>, synchronize: bool, keep_pages: bool) -> Released {
+    pub fn release_cached(
+        &mut self,
+        env: &Env<'_>,
+        synchronize: bool,
+        keep_pages: bool,
+    ) -> Released {
         let mut out = Released::default();
         if env.capture_underway {
             return out;
@@ -740,11 +793,17 @@ impl Shard {
         for seg in ids {
             if self.segments[seg].is_vmm() {
                 let idle: Vec<usize> = {
-                    let SegmentKind::Vmm(pt) = &self.segments[seg].kind else { continue };
-                    pt.idle_pages().filter(|&p| pt.idle_epoch[p] < self.safe_epoch).collect()
+                    let SegmentKind::Vmm(pt) = &self.segments[seg].kind else {
+                        continue;
+                    };
+                    pt.idle_pages()
+                        .filter(|&p| pt.idle_epoch[p] < self.safe_epoch)
+                        .collect()
                 };
                 for p in idle {
-                    let Ok(h) = self.unmap_page(env, seg, p) else { continue };
+                    let Ok(h) = self.unmap_page(env, seg, p) else {
+                        continue;
+                    };
                     out.bytes += env.page_size();
                     if keep_pages {
                         env.pages.put(h);
@@ -804,7 +863,10 @@ impl Shard {
     /// Release everything on pool destruction: returns the number of blocks still live (which
     /// are then kept).
     pub fn live_or_pending(&self) -> usize {
-        self.blocks.iter().filter(|(_, b)| b.state != BlockState::Free).count()
+        self.blocks
+            .iter()
+            .filter(|(_, b)| b.state != BlockState::Free)
+            .count()
     }
 
     // ----------------------------------------------------------------------------------------
@@ -829,28 +891,47 @@ impl Shard {
             let mut next = Some(seg.first);
             let mut live_pages: Vec<u32> = Vec::new();
             while let Some(id) = next {
-                let b = self.blocks.get(id).ok_or(format!("1: segment {sid} links to a missing block {id}"))?;
+                let b = self
+                    .blocks
+                    .get(id)
+                    .ok_or(format!("1: segment {sid} links to a missing block {id}"))?;
                 seen += 1;
                 if b.segment != sid {
-                    return Err(format!("5: block {id} in segment {sid}'s chain says segment {}", b.segment));
+                    return Err(format!(
+                        "5: block {id} in segment {sid}'s chain says segment {}",
+                        b.segment
+                    ));
                 }
                 if b.addr != expect_addr {
-                    return Err(format!("1: block {id} at {:#x}, expected {:#x}", b.addr, expect_addr));
+                    return Err(format!(
+                        "1: block {id} at {:#x}, expected {:#x}",
+                        b.addr, expect_addr
+                    ));
                 }
                 if b.prev != prev {
-                    return Err(format!("1: block {id} prev link {:?} != {:?}", b.prev, prev));
+                    return Err(format!(
+                        "1: block {id} prev link {:?} != {:?}",
+                        b.prev, prev
+                    ));
                 }
                 if b.size == 0 {
                     return Err(format!("1: block {id} has size 0"));
                 }
                 let is_free = b.state == BlockState::Free;
                 if is_free && prev_free {
-                    return Err(format!("2: free block {id} at {:#x} follows a free block", b.addr));
+                    return Err(format!(
+                        "2: free block {id} at {:#x} follows a free block",
+                        b.addr
+                    ));
                 }
                 match b.state {
                     BlockState::Free => {
                         free_seen += 1;
-                        let index = if small { &self.free_small } else { &self.free_large };
+                        let index = if small {
+                            &self.free_small
+                        } else {
+                            &self.free_large
+                        };
                         if !index.contains(&(b.size, b.addr, id)) {
                             return Err(format!("3: free block {id} at {:#x} not indexed", b.addr));
                         }
@@ -904,7 +985,11 @@ impl Shard {
                 next = b.next;
             }
             if expect_addr != seg.addr + seg.size {
-                return Err(format!("1: segment {sid} blocks end at {:#x}, segment at {:#x}", expect_addr, seg.addr + seg.size));
+                return Err(format!(
+                    "1: segment {sid} blocks end at {:#x}, segment at {:#x}",
+                    expect_addr,
+                    seg.addr + seg.size
+                ));
             }
             if let SegmentKind::Vmm(pt) = &seg.kind {
                 let mut mapped = 0;
@@ -913,7 +998,9 @@ impl Shard {
                     let want = live_pages.get(p).copied().unwrap_or(0);
                     let have = pt.live.get(p).copied().unwrap_or(0);
                     if want != have {
-                        return Err(format!("6: segment {sid} page {p} live {have}, recount {want}"));
+                        return Err(format!(
+                            "6: segment {sid} page {p} live {have}, recount {want}"
+                        ));
                     }
                     let is_mapped = pt.handle.get(p).is_some_and(|h| h.is_some());
                     if want > 0 && !is_mapped {
@@ -924,23 +1011,37 @@ impl Shard {
                     }
                     let should_idle = is_mapped && want == 0;
                     if pt.is_idle(p) != should_idle {
-                        return Err(format!("6: segment {sid} page {p} idle bit is {}", pt.is_idle(p)));
+                        return Err(format!(
+                            "6: segment {sid} page {p} idle bit is {}",
+                            pt.is_idle(p)
+                        ));
                     }
                     if should_idle {
                         idle += 1;
                     }
                 }
                 if mapped != pt.mapped_count || idle != pt.idle_count {
-                    return Err(format!("6: segment {sid} page counts {}/{} vs {mapped}/{idle}", pt.mapped_count, pt.idle_count));
+                    return Err(format!(
+                        "6: segment {sid} page counts {}/{} vs {mapped}/{idle}",
+                        pt.mapped_count, pt.idle_count
+                    ));
                 }
-                recount.reserved_bytes.update(small, (mapped as u64 * page_size) as i64);
+                recount
+                    .reserved_bytes
+                    .update(small, (mapped as u64 * page_size) as i64);
             }
         }
         if seen != self.blocks.len() {
-            return Err(format!("5: {} blocks in the slab, {seen} in segment chains", self.blocks.len()));
+            return Err(format!(
+                "5: {} blocks in the slab, {seen} in segment chains",
+                self.blocks.len()
+            ));
         }
         if free_seen != self.free_small.len() + self.free_large.len() {
-            return Err(format!("3: {free_seen} free blocks, {} indexed", self.free_small.len() + self.free_large.len()));
+            return Err(format!(
+                "3: {free_seen} free blocks, {} indexed",
+                self.free_small.len() + self.free_large.len()
+            ));
         }
         ranges.sort_unstable();
         if ranges.windows(2).any(|w| w[0].1 > w[1].0) {
@@ -951,18 +1052,46 @@ impl Shard {
             ("allocation", &st.allocation, &recount.allocation),
             ("segment", &st.segment, &recount.segment),
             ("active", &st.active, &recount.active),
-            ("inactive_split", &st.inactive_split, &recount.inactive_split),
-            ("allocated_bytes", &st.allocated_bytes, &recount.allocated_bytes),
-            ("reserved_bytes", &st.reserved_bytes, &recount.reserved_bytes),
+            (
+                "inactive_split",
+                &st.inactive_split,
+                &recount.inactive_split,
+            ),
+            (
+                "allocated_bytes",
+                &st.allocated_bytes,
+                &recount.allocated_bytes,
+            ),
+            (
+                "reserved_bytes",
+                &st.reserved_bytes,
+                &recount.reserved_bytes,
+            ),
             ("active_bytes", &st.active_bytes, &recount.active_bytes),
-            ("inactive_split_bytes", &st.inactive_split_bytes, &recount.inactive_split_bytes),
-            ("requested_bytes", &st.requested_bytes, &recount.requested_bytes),
+            (
+                "inactive_split_bytes",
+                &st.inactive_split_bytes,
+                &recount.inactive_split_bytes,
+            ),
+            (
+                "requested_bytes",
+                &st.requested_bytes,
+                &recount.requested_bytes,
+            ),
         ];
         for (name, have, want) in pairs {
             for (part, h, w) in [
                 ("all", have.all.current, want.all.current),
-                ("small_pool", have.small_pool.current, want.small_pool.current),
-                ("large_pool", have.large_pool.current, want.large_pool.current),
+                (
+                    "small_pool",
+                    have.small_pool.current,
+                    want.small_pool.current,
+                ),
+                (
+                    "large_pool",
+                    have.large_pool.current,
+                    want.large_pool.current,
+                ),
             ] {
                 if h != w {
                     return Err(format!("7: {name}.{part}.current is {h}, recount {w}"));
@@ -976,6 +1105,10 @@ impl Shard {
     }
 
     fn stats_max_split(&self) -> u64 {
-        if self.stats.max_split_size == i64::MAX { u64::MAX } else { self.stats.max_split_size as u64 }
+        if self.stats.max_split_size == i64::MAX {
+            u64::MAX
+        } else {
+            self.stats.max_split_size as u64
+        }
     }
 }

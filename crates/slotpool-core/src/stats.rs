@@ -232,7 +232,15 @@ mod tests {
         s.update(10);
         s.update(-4);
         s.update(3);
-        assert_eq!(s, Stat { current: 9, peak: 10, allocated: 13, freed: 4 });
+        assert_eq!(
+            s,
+            Stat {
+                current: 9,
+                peak: 10,
+                allocated: 13,
+                freed: 4
+            }
+        );
     }
 
     #[test]

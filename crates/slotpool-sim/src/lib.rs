@@ -1,1 +1,450 @@
+//! slotpool-sim: a simulated GPU for tests, trace replay and benches.
+//!
+//! [`SimDevice`] implements [`slotpool_core::Device`] on host memory. Streams and events complete
+//! when the test says so, stream capture can be begun and ended, out-of-memory can be injected, and
+//! every breach of the `Device` contract is rejected and counted, so allocator tests can assert that
+//! [`SimDevice::contract_violations`] and [`SimDevice::capture_violations`] stay 0.
 #![forbid(unsafe_code)]
+
+mod bytes;
+mod capture;
+mod config;
+mod faults;
+mod memory;
+mod streams;
+#[cfg(test)]
+mod tests;
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use slotpool_core::{
+    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PageHandle, StreamId,
+};
+
+pub use bytes::pattern_byte;
+pub use config::{Backing, SimConfig};
+pub use faults::CallKind;
+pub use memory::{PAGE_POISON, SimAccessError};
+
+use capture::Captures;
+use faults::Faults;
+use memory::Memory;
+use streams::Streams;
+
+/// A simulated GPU backed by host memory.
+///
+/// Invariants (each checked by the unit tests):
+///
+/// 1. Segments (`alloc_segment`) and reservations (`reserve`) get page-aligned, non-overlapping
+///    addresses from 0x7f00_0000_0000 upwards, with at least one unused guard page between any
+///    two; addresses, page handles and event handles are never reused, so stale ones are caught.
+/// 2. `physical_bytes()` is exactly the sum of live segment sizes plus `page_size` per live page,
+///    mapped or not; reservations cost nothing. A physical allocation that would take it past
+///    `total_memory()` fails with `OutOfMemory`. `free_memory()` is `total - physical` (0 if
+///    `set_capacity` went below the current use).
+/// 3. A page is mapped at most once, only at a page-aligned address inside a reservation where
+///    nothing is mapped. `mapped_bytes()` is `page_size` per mapped page.
+/// 4. A call that breaks the `Device` contract fails with `InvalidArgument`, changes nothing, and
+///    increments `contract_violations()` (the message is kept in `last_violation()`).
+/// 5. Bytes belong to physical objects: a page's bytes appear wherever it is mapped. Fresh segment
+///    bytes read as 0, fresh page bytes as [`PAGE_POISON`]. With [`Backing::Accounting`] there are
+///    no bytes and every access fails with [`SimAccessError::NoBacking`].
+/// 6. Per stream, `completed <= submitted` and `completed` never decreases. An event is complete
+///    once its stream's `completed` reaches the `submitted` snapshot of its last record (an event
+///    never recorded is complete). `stream_wait_event` queues a wait marker (one unit) whose
+///    completion first completes the awaited stream up to the event's snapshot. With
+///    auto-completion on, every stream is always fully complete.
+/// 7. While any stream captures, `query_event`, `synchronize_event`, `free_segment`, `unmap`,
+///    `release_page`, `release_reservation`, and `record_event` / `stream_wait_event` on a
+///    capturing stream fail with `IllegalDuringCapture`, change nothing, increment
+///    `capture_violations()` and invalidate every capture in progress. Work launched on a capturing
+///    stream goes into the graph, not the stream: it is not queued.
+/// 8. Every call of a [`CallKind`] is counted in `calls(kind)`, failed ones included. A call
+///    chosen by `inject_oom` / `fail_all` fails with `OutOfMemory` and changes nothing (capture
+///    rules are checked first).
+#[derive(Debug)]
+pub struct SimDevice {
+    state: Mutex<State>,
+}
+
+/// Everything behind the device's lock.
+#[derive(Debug)]
+struct State {
+    memory: Memory,
+    streams: Streams,
+    captures: Captures,
+    faults: Faults,
+    contract_violations: u64,
+    last_violation: Option<String>,
+}
+
+/// When a call is forbidden during capture.
+#[derive(Clone, Copy, Debug)]
+enum CaptureRule {
+    /// Always legal.
+    Allowed,
+    /// Illegal while any stream captures.
+    NoCapture,
+    /// Illegal on a capturing stream.
+    NotOn(StreamId),
+}
+
+impl State {
+    /// Runs one `Device` call: counts it, applies the capture rule, injects faults, and counts a
+    /// contract violation if `f` reports one.
+    fn call<T>(
+        &mut self,
+        kind: CallKind,
+        rule: CaptureRule,
+        f: impl FnOnce(&mut State) -> DeviceResult<T>,
+    ) -> DeviceResult<T> {
+        let fail = self.faults.begin(kind);
+        let illegal = match rule {
+            CaptureRule::Allowed => false,
+            CaptureRule::NoCapture => self.captures.any(),
+            CaptureRule::NotOn(stream) => self.captures.status(stream).is_capturing(),
+        };
+        if illegal {
+            return Err(self.captures.violate(kind.name()));
+        }
+        if fail {
+            return Err(DeviceError::OutOfMemory);
+        }
+        let result = f(self);
+        self.checked(result)
+    }
+
+    /// Counts a contract violation if `result` is one.
+    fn checked<T>(&mut self, result: DeviceResult<T>) -> DeviceResult<T> {
+        if let Err(DeviceError::InvalidArgument(why)) = &result {
+            self.contract_violations += 1;
+            self.last_violation = Some(why.clone());
+        }
+        result
+    }
+}
+
+impl Default for SimDevice {
+    /// A device with [`SimConfig::default`].
+    fn default() -> Self {
+        SimDevice::from_valid(SimConfig::default())
+    }
+}
+
+impl SimDevice {
+    /// Builds a device; fails if `config.page_size` is not a power of two.
+    pub fn new(config: SimConfig) -> DeviceResult<Self> {
+        config.validate()?;
+        Ok(SimDevice::from_valid(config))
+    }
+
+    fn from_valid(config: SimConfig) -> Self {
+        let state = State {
+            memory: Memory::new(&config),
+            streams: Streams::new(config.auto_complete),
+            captures: Captures::default(),
+            faults: Faults::default(),
+            contract_violations: 0,
+            last_violation: None,
+        };
+        SimDevice {
+            state: Mutex::new(state),
+        }
+    }
+
+    /// The state; a poisoned lock is taken anyway (the simulator never panics while holding it).
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    // --- memory accounting ---
+
+    /// Physical bytes in use: live segments plus created pages, mapped or not.
+    pub fn physical_bytes(&self) -> u64 {
+        self.lock().memory.physical
+    }
+
+    /// The highest `physical_bytes()` since creation or the last `reset_peak_physical()`.
+    pub fn peak_physical_bytes(&self) -> u64 {
+        self.lock().memory.peak
+    }
+
+    /// Sets the peak to the current `physical_bytes()`.
+    pub fn reset_peak_physical(&self) {
+        let mut s = self.lock();
+        s.memory.peak = s.memory.physical;
+    }
+
+    /// Bytes of pages currently mapped.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.lock().memory.mapped
+    }
+
+    /// Changes `total_memory()`; memory already in use stays, later allocations see the new total.
+    pub fn set_capacity(&self, bytes: u64) {
+        self.lock().memory.total = bytes;
+    }
+
+    /// Live segments.
+    pub fn segment_count(&self) -> usize {
+        self.lock().memory.counts().0
+    }
+
+    /// Live reservations.
+    pub fn reservation_count(&self) -> usize {
+        self.lock().memory.counts().1
+    }
+
+    /// Live physical pages, mapped or not.
+    pub fn page_count(&self) -> usize {
+        self.lock().memory.counts().2
+    }
+
+    /// Host bytes actually allocated to back device memory (64 KiB per chunk ever written).
+    pub fn host_bytes(&self) -> u64 {
+        self.lock().memory.host_bytes()
+    }
+
+    // --- memory access ---
+
+    /// Writes `data` at `ptr`; all of it must lie in live segments or mapped pages.
+    pub fn write(&self, ptr: DevicePtr, data: &[u8]) -> Result<(), SimAccessError> {
+        self.lock().memory.write(ptr, data)
+    }
+
+    /// Reads `len` bytes at `ptr`; all of them must lie in live segments or mapped pages.
+    pub fn read(&self, ptr: DevicePtr, len: usize) -> Result<Vec<u8>, SimAccessError> {
+        self.lock().memory.read(ptr, len)
+    }
+
+    /// Writes the pattern for `seed` over `len` bytes at `ptr`: byte `ptr + i` gets
+    /// [`pattern_byte`]`(seed, i)`.
+    pub fn fill(&self, ptr: DevicePtr, len: u64, seed: u64) -> Result<(), SimAccessError> {
+        self.lock().memory.fill(ptr, len, seed)
+    }
+
+    /// Checks that `len` bytes at `ptr` hold the pattern `fill(ptr, len, seed)` wrote; reports
+    /// the first mismatching address.
+    pub fn verify(&self, ptr: DevicePtr, len: u64, seed: u64) -> Result<(), SimAccessError> {
+        self.lock().memory.verify(ptr, len, seed)
+    }
+
+    // --- faults and counters ---
+
+    /// Makes the `nth` next call of `kind` fail with `OutOfMemory` (1 = the very next call; 0
+    /// counts as 1). Several injections may be pending at once.
+    pub fn inject_oom(&self, kind: CallKind, nth: u64) {
+        self.lock().faults.inject(kind, nth);
+    }
+
+    /// Makes every call of `kind` fail with `OutOfMemory` while `on`.
+    pub fn fail_all(&self, kind: CallKind, on: bool) {
+        self.lock().faults.fail_all(kind, on);
+    }
+
+    /// Calls of `kind` so far, failed ones included.
+    pub fn calls(&self, kind: CallKind) -> u64 {
+        self.lock().faults.calls(kind)
+    }
+
+    /// Calls rejected with `InvalidArgument` so far.
+    pub fn contract_violations(&self) -> u64 {
+        self.lock().contract_violations
+    }
+
+    /// The message of the latest contract violation.
+    pub fn last_violation(&self) -> Option<String> {
+        self.lock().last_violation.clone()
+    }
+
+    /// Calls rejected with `IllegalDuringCapture` so far.
+    pub fn capture_violations(&self) -> u64 {
+        self.lock().captures.violations
+    }
+
+    /// Successful `synchronize_event` calls so far.
+    pub fn synchronizations(&self) -> u64 {
+        self.lock().streams.synchronizations
+    }
+
+    /// Successful `stream_wait_event` calls so far.
+    pub fn stream_waits(&self) -> u64 {
+        self.lock().streams.stream_waits
+    }
+
+    /// Events created and not destroyed.
+    pub fn live_events(&self) -> usize {
+        self.lock().streams.live_events()
+    }
+
+    // --- streams ---
+
+    /// Queues one unit of work on `stream` (completes at once with auto-completion). On a capturing
+    /// stream the work goes into the graph and nothing is queued.
+    pub fn launch(&self, stream: StreamId) {
+        let mut s = self.lock();
+        if !s.captures.status(stream).is_capturing() {
+            s.streams.launch(stream);
+        }
+    }
+
+    /// Completes all work queued on `stream` so far (and what its waits need).
+    pub fn complete(&self, stream: StreamId) {
+        self.lock().streams.complete(stream);
+    }
+
+    /// Completes all work queued on every stream.
+    pub fn complete_all(&self) {
+        self.lock().streams.complete_all();
+    }
+
+    /// Units of work queued on `stream` so far (launches and wait markers).
+    pub fn submitted(&self, stream: StreamId) -> u64 {
+        self.lock().streams.submitted(stream)
+    }
+
+    /// Units of work completed on `stream` so far.
+    pub fn completed(&self, stream: StreamId) -> u64 {
+        self.lock().streams.completed(stream)
+    }
+
+    /// Whether work completes the moment it is queued.
+    pub fn auto_complete(&self) -> bool {
+        self.lock().streams.auto_complete()
+    }
+
+    /// Turns auto-completion on (completing everything queued so far) or off.
+    pub fn set_auto_complete(&self, on: bool) {
+        self.lock().streams.set_auto_complete(on);
+    }
+
+    // --- capture ---
+
+    /// Starts capturing `stream`; returns the capture's id (unique, from 1). Fails with
+    /// `InvalidArgument` if the stream already captures.
+    pub fn begin_capture(&self, stream: StreamId) -> DeviceResult<u64> {
+        let mut s = self.lock();
+        let result = s.captures.begin(stream);
+        s.checked(result)
+    }
+
+    /// Ends the capture of `stream` and returns its id. An invalidated capture ends too, but
+    /// reports `Driver { code: 901 }` (`cudaErrorStreamCaptureInvalidated`). Fails with
+    /// `InvalidArgument` if the stream does not capture.
+    pub fn end_capture(&self, stream: StreamId) -> DeviceResult<u64> {
+        let mut s = self.lock();
+        let result = s.captures.end(stream);
+        s.checked(result)
+    }
+}
+
+impl Device for SimDevice {
+    fn page_size(&self) -> u64 {
+        self.lock().memory.page_size()
+    }
+
+    fn total_memory(&self) -> u64 {
+        self.lock().memory.total
+    }
+
+    fn free_memory(&self) -> u64 {
+        let s = self.lock();
+        s.memory.total.saturating_sub(s.memory.physical)
+    }
+
+    fn alloc_segment(&self, size: u64) -> DeviceResult<DevicePtr> {
+        let rule = CaptureRule::Allowed;
+        self.lock().call(CallKind::AllocSegment, rule, |s| {
+            s.memory.alloc_segment(size)
+        })
+    }
+
+    fn free_segment(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        let rule = CaptureRule::NoCapture;
+        self.lock().call(CallKind::FreeSegment, rule, |s| {
+            s.memory.free_segment(ptr, size)
+        })
+    }
+
+    fn reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
+        let rule = CaptureRule::Allowed;
+        self.lock()
+            .call(CallKind::Reserve, rule, |s| s.memory.reserve(size))
+    }
+
+    fn release_reservation(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        let rule = CaptureRule::NoCapture;
+        self.lock().call(CallKind::ReleaseReservation, rule, |s| {
+            s.memory.release_reservation(ptr, size)
+        })
+    }
+
+    fn create_page(&self) -> DeviceResult<PageHandle> {
+        let rule = CaptureRule::Allowed;
+        self.lock()
+            .call(CallKind::CreatePage, rule, |s| s.memory.create_page())
+    }
+
+    fn release_page(&self, page: PageHandle) -> DeviceResult<()> {
+        let rule = CaptureRule::NoCapture;
+        self.lock()
+            .call(CallKind::ReleasePage, rule, |s| s.memory.release_page(page))
+    }
+
+    fn map(&self, ptr: DevicePtr, page: PageHandle) -> DeviceResult<()> {
+        let rule = CaptureRule::Allowed;
+        self.lock()
+            .call(CallKind::Map, rule, |s| s.memory.map(ptr, page))
+    }
+
+    fn unmap(&self, ptr: DevicePtr) -> DeviceResult<()> {
+        let rule = CaptureRule::NoCapture;
+        self.lock()
+            .call(CallKind::Unmap, rule, |s| s.memory.unmap(ptr))
+    }
+
+    fn create_event(&self) -> DeviceResult<EventHandle> {
+        let rule = CaptureRule::Allowed;
+        self.lock().call(CallKind::CreateEvent, rule, |s| {
+            Ok(s.streams.create_event())
+        })
+    }
+
+    fn destroy_event(&self, event: EventHandle) -> DeviceResult<()> {
+        let rule = CaptureRule::Allowed;
+        self.lock().call(CallKind::DestroyEvent, rule, |s| {
+            s.streams.destroy_event(event)
+        })
+    }
+
+    fn record_event(&self, event: EventHandle, stream: StreamId) -> DeviceResult<()> {
+        let rule = CaptureRule::NotOn(stream);
+        self.lock().call(CallKind::RecordEvent, rule, |s| {
+            s.streams.record_event(event, stream)
+        })
+    }
+
+    fn query_event(&self, event: EventHandle) -> DeviceResult<bool> {
+        let rule = CaptureRule::NoCapture;
+        self.lock()
+            .call(CallKind::QueryEvent, rule, |s| s.streams.query_event(event))
+    }
+
+    fn synchronize_event(&self, event: EventHandle) -> DeviceResult<()> {
+        let rule = CaptureRule::NoCapture;
+        self.lock().call(CallKind::SynchronizeEvent, rule, |s| {
+            s.streams.synchronize_event(event)
+        })
+    }
+
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {
+        let rule = CaptureRule::NotOn(stream);
+        self.lock().call(CallKind::StreamWaitEvent, rule, |s| {
+            s.streams.stream_wait_event(stream, event)
+        })
+    }
+
+    fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus> {
+        Ok(self.lock().captures.status(stream))
+    }
+}

@@ -1,0 +1,277 @@
+//! Tests on a real GPU. Each test returns early, printing "skipped: no GPU", when
+//! `CudaDevice::new(0)` fails (no driver, no device), so they pass on machines without a GPU.
+//!
+//! A few steps drive the driver directly through `cudarc::driver::sys` (memset, copy, begin/end
+//! capture) to check what the backend did; those calls are made with the device's primary context
+//! current ([`CudaDevice::make_current`]) and are not part of the backend.
+//!
+//! The tests hold one lock while they run: a global-mode capture in one test makes CUDA refuse
+//! (and the refusal invalidates the capture) `cuMemFree`, `cuEventQuery`, synchronous copies and
+//! the like on every other thread, so the tests must not overlap.
+
+use std::ptr;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use cudarc::driver::sys::{self, CUcontext, CUresult, CUstream, CUstreamCaptureMode};
+use slotpool_core::{CaptureStatus, Device, DeviceError};
+use slotpool_cuda::CudaDevice;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Device 0 and the lock that keeps GPU tests from overlapping; `None` (test skipped) without a GPU.
+fn device() -> Option<(MutexGuard<'static, ()>, CudaDevice)> {
+    let lock = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    match CudaDevice::new(0) {
+        Ok(dev) => Some((lock, dev)),
+        Err(err) => {
+            println!("skipped: no GPU ({err})");
+            None
+        }
+    }
+}
+
+fn current_context() -> usize {
+    let mut ctx: CUcontext = ptr::null_mut();
+    // SAFETY: `ctx` is a valid out-pointer; the driver is loaded (a CudaDevice exists).
+    let rc = unsafe { sys::cuCtxGetCurrent(&mut ctx) };
+    assert_eq!(rc, CUresult::CUDA_SUCCESS);
+    ctx as usize
+}
+
+fn memset(ptr: u64, value: u8, bytes: usize) {
+    // SAFETY: the caller made the context current and `ptr..ptr+bytes` is mapped read/write.
+    let rc = unsafe { sys::cuMemsetD8_v2(ptr, value, bytes) };
+    assert_eq!(rc, CUresult::CUDA_SUCCESS);
+}
+
+fn read(ptr: u64, bytes: usize) -> Vec<u8> {
+    let mut host = vec![0u8; bytes];
+    // SAFETY: `host` is writable for `bytes` bytes; the caller made the context current and
+    // `ptr..ptr+bytes` is mapped read/write. The copy is synchronous.
+    let rc = unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), ptr, bytes) };
+    assert_eq!(rc, CUresult::CUDA_SUCCESS);
+    host
+}
+
+#[test]
+fn reports_device_properties() {
+    let Some((_serial, dev)) = device() else {
+        return;
+    };
+    println!(
+        "device {} '{}', driver {}, total {} B, free {} B, page {} B, vmm {}",
+        dev.ordinal(),
+        dev.name(),
+        dev.driver_version(),
+        dev.total_memory(),
+        dev.free_memory(),
+        dev.page_size(),
+        dev.vmm_supported()
+    );
+    assert!(dev.total_memory() > 0);
+    assert!(dev.free_memory() > 0 && dev.free_memory() <= dev.total_memory());
+    assert!(dev.page_size().is_power_of_two());
+}
+
+#[test]
+fn alloc_and_free_segments() {
+    let Some((_serial, dev)) = device() else {
+        return;
+    };
+    for size in [2u64 << 20, 20 << 20, 512] {
+        let ptr = dev.alloc_segment(size).expect("alloc_segment");
+        assert_ne!(ptr, 0);
+        dev.make_current().expect("make_current");
+        memset(ptr, 0x5a, size as usize);
+        assert!(read(ptr, size as usize).iter().all(|&b| b == 0x5a));
+        dev.free_segment(ptr, size).expect("free_segment");
+    }
+}
+
+#[test]
+fn out_of_memory_is_an_error_not_a_panic() {
+    let Some((_serial, dev)) = device() else {
+        return;
+    };
+    assert_eq!(dev.alloc_segment(1 << 50), Err(DeviceError::OutOfMemory));
+}
+
+#[test]
+fn vmm_reserve_map_unmap_remap_release() {
+    let Some((_serial, dev)) = device() else {
+        return;
+    };
+    if !dev.vmm_supported() {
+        println!("skipped: no VMM support");
+        return;
+    }
+    let page = dev.page_size();
+    let bytes = page as usize;
+    let base = dev.reserve(4 * page).expect("reserve");
+    assert_eq!(base % page, 0);
+    let p0 = dev.create_page().expect("create_page 0");
+    let p1 = dev.create_page().expect("create_page 1");
+    dev.map(base, p0).expect("map p0");
+    dev.map(base + page, p1).expect("map p1");
+
+    dev.make_current().expect("make_current");
+    memset(base, 0x11, bytes);
+    memset(base + page, 0x22, bytes);
+    assert!(read(base, 2 * bytes)[..bytes].iter().all(|&b| b == 0x11));
+
+    dev.unmap(base).expect("unmap p0");
+    dev.unmap(base + page).expect("unmap p1");
+    // Mapping a page where one is already mapped fails with an error, not a panic.
+    dev.map(base + 2 * page, p1).expect("remap p1");
+    assert!(dev.map(base + 2 * page, p0).is_err());
+    // The physical page keeps its content at its new address.
+    assert!(read(base + 2 * page, bytes).iter().all(|&b| b == 0x22));
+    dev.unmap(base + 2 * page).expect("unmap remapped p1");
+
+    dev.release_page(p0).expect("release p0");
+    dev.release_page(p1).expect("release p1");
+    dev.release_reservation(base, 4 * page)
+        .expect("release_reservation");
+}
+
+#[test]
+fn events_on_the_null_stream() {
+    let Some((_serial, dev)) = device() else {
+        return;
+    };
+    let ev = dev.create_event().expect("create_event");
+    // A fresh event counts as completed.
+    assert_eq!(dev.query_event(ev), Ok(true));
+    dev.record_event(ev, 0).expect("record_event");
+    dev.query_event(ev).expect("query_event");
+    dev.synchronize_event(ev).expect("synchronize_event");
+    assert_eq!(dev.query_event(ev), Ok(true));
+    dev.stream_wait_event(0, ev).expect("stream_wait_event");
+    dev.synchronize_stream(0).expect("synchronize_stream");
+    dev.destroy_event(ev).expect("destroy_event");
+}
+
+#[test]
+fn null_stream_is_not_capturing() {
+    let Some((_serial, dev)) = device() else {
+        return;
+    };
+    assert_eq!(dev.capture_status(0), Ok(CaptureStatus::None));
+}
+
+#[test]
+fn caller_context_is_restored() {
+    let Some((_serial, dev)) = device() else {
+        return;
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // A fresh thread has no current context, and keeps none after backend calls.
+            assert_eq!(current_context(), 0);
+            let ptr = dev.alloc_segment(2 << 20).expect("alloc_segment");
+            assert_eq!(current_context(), 0);
+            dev.free_segment(ptr, 2 << 20).expect("free_segment");
+            let ev = dev.create_event().expect("create_event");
+            dev.destroy_event(ev).expect("destroy_event");
+            assert_eq!(current_context(), 0);
+            // With the primary context current, it stays current.
+            dev.make_current().expect("make_current");
+            let primary = current_context();
+            assert_ne!(primary, 0);
+            assert!(dev.free_memory() > 0);
+            assert_eq!(current_context(), primary);
+        });
+    });
+}
+
+#[test]
+fn growth_during_global_capture_keeps_the_capture_valid() {
+    let Some((_serial, dev)) = device() else {
+        return;
+    };
+    if !dev.vmm_supported() {
+        println!("skipped: no VMM support");
+        return;
+    }
+    let stream = dev.create_stream().expect("create_stream");
+    dev.make_current().expect("make_current");
+    let raw = stream as usize as CUstream;
+    // SAFETY: `raw` is a live stream of the current context.
+    let rc = unsafe {
+        sys::cuStreamBeginCapture_v2(raw, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+    };
+    assert_eq!(rc, CUresult::CUDA_SUCCESS);
+
+    let status = dev.capture_status(stream);
+    let page = dev.page_size();
+    let seg = dev.alloc_segment(2 << 20);
+    // Another thread (in the default global mode) grows memory while this thread captures.
+    let other_thread = std::thread::scope(|s| {
+        s.spawn(|| -> Result<_, DeviceError> {
+            let base = dev.reserve(page)?;
+            let pg = dev.create_page()?;
+            dev.map(base, pg)?;
+            let seg = dev.alloc_segment(2 << 20)?;
+            Ok((base, pg, seg))
+        })
+        .join()
+        .unwrap_or_else(|_| Err(DeviceError::InvalidArgument("thread panicked".into())))
+    });
+    let base = dev.reserve(2 * page);
+    let pg = dev.create_page();
+    let mapped = match (&base, &pg) {
+        (Ok(base), Ok(pg)) => dev.map(*base, *pg),
+        _ => Err(DeviceError::InvalidArgument(
+            "no reservation or page".into(),
+        )),
+    };
+    let status_after = dev.capture_status(stream);
+
+    let mut graph: sys::CUgraph = ptr::null_mut();
+    // SAFETY: ends the capture begun above on the same thread; `graph` is a valid out-pointer.
+    let end = unsafe { sys::cuStreamEndCapture(raw, &mut graph) };
+    if !graph.is_null() {
+        // SAFETY: `graph` was returned by `cuStreamEndCapture` and is destroyed once.
+        unsafe { sys::cuGraphDestroy(graph) };
+    }
+    let status_end = dev.capture_status(stream);
+
+    // Clean up before asserting, so that a failure leaks nothing.
+    if let (Ok(()), Ok(base)) = (&mapped, &base) {
+        dev.unmap(*base).expect("unmap");
+    }
+    if let Ok(pg) = pg {
+        dev.release_page(pg).expect("release_page");
+    }
+    if let Ok(base) = base {
+        dev.release_reservation(base, 2 * page)
+            .expect("release_reservation");
+    }
+    if let Ok(seg) = seg {
+        dev.free_segment(seg, 2 << 20).expect("free_segment");
+    }
+    if let Ok((base, pg, seg)) = other_thread {
+        dev.unmap(base).expect("unmap (other thread)");
+        dev.release_page(pg).expect("release_page (other thread)");
+        dev.release_reservation(base, page)
+            .expect("release_reservation (other thread)");
+        dev.free_segment(seg, 2 << 20)
+            .expect("free_segment (other thread)");
+    }
+    dev.destroy_stream(stream).expect("destroy_stream");
+
+    assert!(matches!(status, Ok(CaptureStatus::Active(_))), "{status:?}");
+    assert_eq!(status_after, status, "the capture id must not change");
+    assert!(seg.is_ok(), "alloc_segment during capture: {seg:?}");
+    assert!(mapped.is_ok(), "map during capture: {mapped:?}");
+    assert!(
+        other_thread.is_ok(),
+        "growth on another thread during capture: {other_thread:?}"
+    );
+    assert_eq!(
+        end,
+        CUresult::CUDA_SUCCESS,
+        "the capture must still be valid"
+    );
+    assert_eq!(status_end, Ok(CaptureStatus::None));
+}
