@@ -60,7 +60,7 @@ thread_local! {
 
 /// One device's caching allocator. See the crate docs for the model.
 pub struct Allocator<D: Device> {
-    uid: u64,
+    pub(crate) uid: u64,
     pub(crate) dev: Arc<D>,
     pub(crate) config: Config,
     vmm_reservation: u64,
@@ -76,7 +76,7 @@ pub struct Allocator<D: Device> {
     generation: AtomicU64,
     pub(crate) ptrs: PtrMap<(ShardRef, BlockId)>,
     /// Taken by the OOM and cache-emptying paths, which visit every shard one at a time.
-    reclaim: Mutex<()>,
+    pub(crate) reclaim: Mutex<()>,
     num_alloc_retries: AtomicI64,
     num_ooms: AtomicI64,
 }
@@ -836,9 +836,115 @@ impl<D: Device> Allocator<D> {
         Ok(())
     }
 
+    /// A text dump of every shard's segments, blocks and statistics, in a stable order: tests
+    /// compare two dumps to show that a refused call changed nothing.
+    pub fn state_dump(&self) -> String {
+        use std::fmt::Write;
+        let shards = self.all_shards();
+        let mut keys: Vec<_> = shards.keys().copied().collect();
+        keys.sort_unstable();
+        let mut out = String::new();
+        for k in keys {
+            let s = lock(&shards[&k].shard);
+            let _ = writeln!(out, "shard {}/{}: {:?}", k.0, k.1, s.stats);
+            let mut segs: Vec<_> = s.segments().collect();
+            segs.sort_by_key(|(_, seg)| seg.addr);
+            for (sid, seg) in segs {
+                let _ = writeln!(
+                    out,
+                    " segment {:#x}+{} small={}",
+                    seg.addr, seg.size, seg.small
+                );
+                for (_, b) in s.segment_blocks(sid) {
+                    let _ = writeln!(
+                        out,
+                        "  block {:#x}+{} {:?} req={} uses={:?}",
+                        b.addr, b.size, b.state, b.requested, b.stream_uses
+                    );
+                }
+            }
+        }
+        let _ = writeln!(
+            out,
+            "held {} pages {}",
+            self.budget.held(),
+            self.pages.len()
+        );
+        out
+    }
+
     /// Whether the configured growth mode is vmm.
     pub fn is_vmm(&self) -> bool {
         self.config.growth == GrowthMode::Vmm
+    }
+
+    /// Every segment of every pool and stream with its blocks, in address order (for PyTorch's
+    /// `memory_snapshot()`). A vmm reservation is reported as one segment per contiguous run of
+    /// mapped pages, as PyTorch reports expandable segments; free blocks are clipped to the run.
+    pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
+        let ps = self.dev.page_size().max(1);
+        let mut out = Vec::new();
+        for cell in self.all_shards().values() {
+            let s = lock(&cell.shard);
+            for (sid, seg) in s.segments() {
+                let blocks: Vec<BlockSnapshot> = s
+                    .segment_blocks(sid)
+                    .map(|(_, b)| BlockSnapshot {
+                        addr: b.addr,
+                        size: b.size,
+                        requested: b.requested,
+                        state: b.state,
+                    })
+                    .collect();
+                let runs: Vec<(DevicePtr, DevicePtr)> = match &seg.kind {
+                    crate::block::SegmentKind::Classic => vec![(seg.addr, seg.addr + seg.size)],
+                    crate::block::SegmentKind::Vmm(pt) => {
+                        let mut runs = Vec::new();
+                        let mut start: Option<usize> = None;
+                        let pages = seg.size.div_ceil(ps) as usize;
+                        for p in 0..=pages {
+                            let mapped = p < pages && pt.handle.get(p).is_some_and(Option::is_some);
+                            match (mapped, start) {
+                                (true, None) => start = Some(p),
+                                (false, Some(a)) => {
+                                    let lo = seg.addr + a as u64 * ps;
+                                    let hi = (seg.addr + p as u64 * ps).min(seg.addr + seg.size);
+                                    runs.push((lo, hi));
+                                    start = None;
+                                }
+                                _ => {}
+                            }
+                        }
+                        runs
+                    }
+                };
+                for (lo, hi) in runs {
+                    let clipped = blocks
+                        .iter()
+                        .filter(|b| b.addr < hi && b.addr + b.size > lo)
+                        .map(|b| {
+                            let a = b.addr.max(lo);
+                            BlockSnapshot {
+                                addr: a,
+                                size: (b.addr + b.size).min(hi) - a,
+                                ..b.clone()
+                            }
+                        })
+                        .collect();
+                    out.push(SegmentSnapshot {
+                        pool: s.pool,
+                        stream: s.stream,
+                        addr: lo,
+                        size: hi - lo,
+                        small: seg.small,
+                        vmm: seg.is_vmm(),
+                        blocks: clipped,
+                    });
+                }
+            }
+        }
+        out.sort_unstable_by_key(|seg| seg.addr);
+        out
     }
 }
 
@@ -848,4 +954,31 @@ pub(crate) fn shard_error(e: ShardError) -> AllocError {
         ShardError::Device(d) => AllocError::Device(d),
         ShardError::BadBlock(why) => AllocError::InvalidState(why.into()),
     }
+}
+
+/// One block of a [`SegmentSnapshot`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct BlockSnapshot {
+    pub addr: DevicePtr,
+    /// Rounded size (clipped to the segment's mapped run for vmm free blocks).
+    pub size: u64,
+    /// Size the user asked for (0 when free).
+    pub requested: u64,
+    pub state: crate::block::BlockState,
+}
+
+/// One segment as [`Allocator::snapshot`] reports it: a classic segment, or one contiguous mapped
+/// run of a vmm reservation.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SegmentSnapshot {
+    pub pool: PoolId,
+    pub stream: StreamId,
+    pub addr: DevicePtr,
+    pub size: u64,
+    /// Serves small (<= 1 MiB) requests.
+    pub small: bool,
+    /// Part of a vmm reservation (PyTorch's `is_expandable`).
+    pub vmm: bool,
+    /// Blocks in address order, tiling `[addr, addr + size)`.
+    pub blocks: Vec<BlockSnapshot>,
 }

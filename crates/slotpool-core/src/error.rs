@@ -57,6 +57,8 @@ pub enum AllocError {
     InvalidArgument(String),
     #[error("invalid state: {0}")]
     InvalidState(String),
+    #[error("restore refused, nothing changed: {0}")]
+    CheckpointMismatch(Box<crate::checkpoint::RestoreDiff>),
     #[error("device error: {0}")]
     Device(DeviceError),
 }

@@ -21,10 +21,12 @@
 
 pub mod allocator;
 pub mod block;
+pub mod checkpoint;
 pub mod config;
 pub mod device;
 pub mod env;
 pub mod error;
+pub mod id_slab;
 pub mod policy;
 pub mod pool;
 pub mod ptr_map;
@@ -32,8 +34,10 @@ pub mod route;
 pub mod shard;
 pub mod stats;
 pub mod sync;
+pub mod variants;
 
 pub use allocator::{Allocator, MAX_REQUEST};
+pub use checkpoint::{Checkpoint, RestoreDelta, RestoreDiff};
 pub use config::{Config, ConfigError, GrowthMode};
 pub use device::{
     CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PageHandle, StreamId,
@@ -42,3 +46,4 @@ pub use error::{AllocError, AllocResult, OomReport};
 pub use pool::{PoolId, PoolOptions};
 pub use route::{RouteFilter, current_thread_id};
 pub use stats::{MemoryStats, Stat, StatArray};
+pub use variants::VariantGroup;

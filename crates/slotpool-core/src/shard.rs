@@ -3,9 +3,10 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use slab::Slab;
+use crate::id_slab::IdSlab;
 
 use crate::block::{Block, BlockId, BlockState, PageTable, Segment, SegmentId, SegmentKind};
+use crate::checkpoint::{Mark, Undo};
 use crate::config::GrowthMode;
 use crate::device::{DeviceError, DevicePtr, EventHandle, PageHandle, StreamId};
 use crate::env::Env;
@@ -65,19 +66,22 @@ pub struct Shard {
     pub pool: PoolId,
     pub stream: StreamId,
     pub no_split: bool,
-    blocks: Slab<Block>,
-    segments: Slab<Segment>,
-    free_small: BTreeSet<FreeKey>,
-    free_large: BTreeSet<FreeKey>,
+    pub(crate) blocks: IdSlab<Block>,
+    pub(crate) segments: IdSlab<Segment>,
+    pub(crate) free_small: BTreeSet<FreeKey>,
+    pub(crate) free_large: BTreeSet<FreeKey>,
     /// Cross-stream events that `PendingFree` blocks wait on, oldest first.
-    pending: VecDeque<(EventHandle, BlockId)>,
+    pub(crate) pending: VecDeque<(EventHandle, BlockId)>,
     /// `PendingFree` blocks freed during a capture: their events are recorded after it ends.
-    deferred: Vec<BlockId>,
+    pub(crate) deferred: Vec<BlockId>,
     /// vmm: frees since the last recorded event belong to `epoch`; pages idle since an epoch below
     /// `safe_epoch` may be unmapped.
     epoch: u64,
     safe_epoch: u64,
     epoch_events: VecDeque<(u64, EventHandle)>,
+    /// Undo log of block changes since the oldest live checkpoint mark (see `checkpoint.rs`).
+    pub(crate) journal: Vec<Undo>,
+    pub(crate) marks: Vec<Mark>,
     pub stats: MemoryStats,
 }
 
@@ -95,8 +99,8 @@ impl Shard {
             pool,
             stream,
             no_split,
-            blocks: Slab::new(),
-            segments: Slab::new(),
+            blocks: IdSlab::new(),
+            segments: IdSlab::new(),
             free_small: BTreeSet::new(),
             free_large: BTreeSet::new(),
             pending: VecDeque::new(),
@@ -104,6 +108,8 @@ impl Shard {
             epoch: 1,
             safe_epoch: 0,
             epoch_events: VecDeque::new(),
+            journal: Vec::new(),
+            marks: Vec::new(),
             stats,
         }
     }
@@ -147,6 +153,27 @@ impl Shard {
         a.max(b)
     }
 
+    /// True while a checkpoint of this shard is alive: block changes are journaled.
+    #[inline]
+    pub(crate) fn journaling(&self) -> bool {
+        !self.marks.is_empty()
+    }
+
+    /// Journal block `id`'s state before a change.
+    #[inline]
+    fn touch(&mut self, id: BlockId) {
+        if self.journaling() {
+            self.journal
+                .push(Undo::Modified(id, self.blocks[id].clone()));
+        }
+    }
+
+    fn note(&mut self, u: Undo) {
+        if self.journaling() {
+            self.journal.push(u);
+        }
+    }
+
     fn index(&mut self, small: bool) -> &mut BTreeSet<FreeKey> {
         if small {
             &mut self.free_small
@@ -160,7 +187,7 @@ impl Shard {
         !self.segments[b.segment].is_vmm() && (b.prev.is_some() || b.next.is_some())
     }
 
-    fn index_insert(&mut self, id: BlockId) {
+    pub(crate) fn index_insert(&mut self, id: BlockId) {
         let (size, addr, small) = {
             let b = &self.blocks[id];
             (b.size, b.addr, self.segments[b.segment].small)
@@ -172,7 +199,7 @@ impl Shard {
         self.index(small).insert((size, addr, id));
     }
 
-    fn index_remove(&mut self, id: BlockId) {
+    pub(crate) fn index_remove(&mut self, id: BlockId) {
         let (size, addr, small) = {
             let b = &self.blocks[id];
             (b.size, b.addr, self.segments[b.segment].small)
@@ -279,6 +306,8 @@ impl Shard {
             pending_events: 0,
         });
         self.segments[seg].first = id;
+        self.note(Undo::SegmentAdded(seg));
+        self.note(Undo::Inserted(id));
         self.index_insert(id);
         tracing::debug!(pool = ?self.pool, stream = self.stream, addr, size, "segment added");
         Ok(id)
@@ -298,11 +327,15 @@ impl Shard {
         let small = self.segments[seg].small;
         let vmm = self.segments[seg].is_vmm();
         self.index_remove(id);
-        if vmm && let Err(e) = self.map_range(env, seg, addr, rounded) {
+        if vmm && let Err(e) = self.map_range(env, seg, addr, rounded, true) {
             self.index_insert(id);
             return Err(e);
         }
+        self.touch(id);
         if (vmm || !self.no_split) && env.policy.should_split(size, rounded, small, vmm) {
+            if let Some(n) = self.blocks[id].next {
+                self.touch(n);
+            }
             let rest = self.blocks.insert(Block {
                 addr: addr + rounded,
                 size: size - rounded,
@@ -314,6 +347,7 @@ impl Shard {
                 stream_uses: Vec::new(),
                 pending_events: 0,
             });
+            self.note(Undo::Inserted(rest));
             if let Some(n) = self.blocks[id].next {
                 self.blocks[n].prev = Some(rest);
             }
@@ -370,6 +404,7 @@ impl Shard {
             self.free_block(env, id);
             return Ok(());
         }
+        self.touch(id);
         self.blocks[id].state = BlockState::PendingFree;
         if env.capture_underway {
             self.deferred.push(id);
@@ -386,13 +421,14 @@ impl Shard {
         }
         let b = self
             .blocks
-            .get_mut(id)
+            .get(id)
             .ok_or(ShardError::BadBlock("unknown block"))?;
         if b.state != BlockState::Allocated {
             return Err(ShardError::BadBlock("block is not allocated"));
         }
         if !b.stream_uses.contains(&stream) {
-            b.stream_uses.push(stream);
+            self.touch(id);
+            self.blocks[id].stream_uses.push(stream);
         }
         Ok(())
     }
@@ -400,6 +436,7 @@ impl Shard {
     /// Record one event per stream that used the block; the block is free once all complete. If
     /// an event cannot be had, fall back to deferring (retried later) rather than reuse early.
     fn insert_events(&mut self, env: &Env<'_>, id: BlockId) {
+        self.touch(id);
         let uses = std::mem::take(&mut self.blocks[id].stream_uses);
         let mut recorded = 0;
         let mut failed = Vec::new();
@@ -442,6 +479,7 @@ impl Shard {
                 Ok(true) => {
                     self.pending.remove(i);
                     env.events.put(ev);
+                    self.touch(id);
                     let b = &mut self.blocks[id];
                     b.pending_events -= 1;
                     if b.pending_events == 0 && !self.deferred.contains(&id) {
@@ -468,6 +506,7 @@ impl Shard {
                 break;
             }
             env.events.put(ev);
+            self.touch(id);
             let b = &mut self.blocks[id];
             b.pending_events -= 1;
             if b.pending_events == 0 && !self.deferred.contains(&id) {
@@ -479,6 +518,7 @@ impl Shard {
 
     /// A block returns to the free index, merging with free neighbours.
     fn free_block(&mut self, env: &Env<'_>, id: BlockId) {
+        self.touch(id);
         let (addr, size, requested, seg) = {
             let b = &mut self.blocks[id];
             b.state = BlockState::Free;
@@ -513,7 +553,12 @@ impl Shard {
 
     /// Merge block `b` into its predecessor `a`; returns `a`.
     fn merge_into_prev(&mut self, a: BlockId, b: BlockId) -> BlockId {
+        self.touch(a);
+        if let Some(n) = self.blocks[b].next {
+            self.touch(n);
+        }
         let gone = self.blocks.remove(b);
+        self.note(Undo::Removed(b, gone.clone()));
         let blk = &mut self.blocks[a];
         blk.size += gone.size;
         blk.next = gone.next;
@@ -526,7 +571,7 @@ impl Shard {
     // ----------------------------------------------------------------------------------------
     // vmm pages
 
-    fn page_range(env: &Env<'_>, seg_addr: u64, addr: u64, size: u64) -> (usize, usize) {
+    pub(crate) fn page_range(env: &Env<'_>, seg_addr: u64, addr: u64, size: u64) -> (usize, usize) {
         let ps = env.page_size();
         let first = ((addr - seg_addr) / ps) as usize;
         let end = (addr + size - seg_addr).div_ceil(ps) as usize;
@@ -535,7 +580,14 @@ impl Shard {
 
     /// Adjust the live counts of the pages under [addr, addr+size); pages that fall idle remember
     /// the current epoch.
-    fn pages_live(&mut self, env: &Env<'_>, seg: SegmentId, addr: u64, size: u64, delta: i32) {
+    pub(crate) fn pages_live(
+        &mut self,
+        env: &Env<'_>,
+        seg: SegmentId,
+        addr: u64,
+        size: u64,
+        delta: i32,
+    ) {
         let epoch = self.epoch;
         let segment = &mut self.segments[seg];
         let (first, end) = Self::page_range(env, segment.addr, addr, size);
@@ -562,12 +614,13 @@ impl Shard {
     /// Map every unmapped page under [addr, addr+size). Idle pages under the range are reused in
     /// place; others come from the device pool, from this shard's idle pages elsewhere, or are
     /// created. On error nothing changed.
-    fn map_range(
+    pub(crate) fn map_range(
         &mut self,
         env: &Env<'_>,
         seg: SegmentId,
         addr: u64,
         size: u64,
+        allow_reclaim: bool,
     ) -> Result<(), ShardError> {
         let ps = env.page_size();
         let seg_addr = self.segments[seg].addr;
@@ -590,7 +643,10 @@ impl Shard {
         while got.len() < missing.len() {
             let page = match env.pages.take() {
                 Some(p) => Ok(p),
-                None => match self.reclaim_idle_page(env, (seg, first, end)) {
+                None => match allow_reclaim
+                    .then(|| self.reclaim_idle_page(env, (seg, first, end)))
+                    .flatten()
+                {
                     Some(p) => Ok(p),
                     None => env.new_page(),
                 },
@@ -633,6 +689,10 @@ impl Shard {
             };
             pt.handle[p] = Some(h);
             pt.mapped_count += 1;
+            if pt.live[p] == 0 {
+                pt.set_idle(p, true);
+                pt.idle_epoch[p] = self.epoch;
+            }
             self.stats
                 .reserved_bytes
                 .update(self.segments[seg].small, ps as i64);
@@ -825,6 +885,10 @@ impl Shard {
     /// Release a segment that is one free block (and, for vmm, has nothing mapped); returns the
     /// physical bytes freed.
     fn release_segment_if_unused(&mut self, env: &Env<'_>, seg: SegmentId) -> Option<u64> {
+        if self.journaling() {
+            // A live checkpoint may need this segment back.
+            return None;
+        }
         let s = self.segments.get(seg)?;
         let b = &self.blocks[s.first];
         if b.state != BlockState::Free || b.next.is_some() {

@@ -1,0 +1,232 @@
+//! Checkpoint / restore on the allocator, and variant groups built on them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, MutexGuard};
+
+use crate::allocator::{Allocator, ShardRef};
+use crate::checkpoint::{Checkpoint, CheckpointToken, RestoreDelta, RestoreDiff};
+use crate::device::{Device, DevicePtr};
+use crate::error::{AllocError, AllocResult};
+use crate::pool::PoolId;
+use crate::shard::{Shard, ShardError};
+use crate::sync::lock;
+
+static NEXT_TOKEN: AtomicU64 = AtomicU64::new(1);
+
+/// "Capture these N variants into one pool; only one of them runs at a time." Capturing variant
+/// k starts from the checkpoint taken when the group was made, so every variant reuses the same
+/// addresses, in any order, and the pool holds the largest variant, not the sum.
+#[derive(Debug)]
+pub struct VariantGroup {
+    pool: PoolId,
+    base: Checkpoint,
+    count: usize,
+    active: Option<usize>,
+}
+
+impl VariantGroup {
+    pub fn pool(&self) -> PoolId {
+        self.pool
+    }
+
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// The variant being captured, if any.
+    pub fn active(&self) -> Option<usize> {
+        self.active
+    }
+}
+
+impl<D: Device> Allocator<D> {
+    /// The shards of `pool` in stream order. Only checkpoint and restore hold more than one
+    /// shard locked, and they do so under the `reclaim` lock, so this order cannot deadlock.
+    fn pool_shards_sorted(&self, pool: PoolId) -> Vec<ShardRef> {
+        let mut cells = self.pool_shards(pool);
+        cells.sort_by_key(|c| lock(&c.shard).stream);
+        cells
+    }
+
+    /// Take a checkpoint of `pool`: its segments, split topology and live set. Costs O(1) per
+    /// (pool, stream) shard. Refused while frees of the pool wait on cross-stream events.
+    pub fn checkpoint(&self, pool: PoolId) -> AllocResult<Checkpoint> {
+        if !lock(&self.pools).contains_key(&pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        let _reclaim = lock(&self.reclaim);
+        let token = Arc::new(CheckpointToken {
+            id: NEXT_TOKEN.fetch_add(1, Ordering::Relaxed),
+        });
+        let cells = self.pool_shards(pool);
+        // Validate every shard first so that a refusal leaves no marks behind.
+        for c in &cells {
+            let s = lock(&c.shard);
+            if !s.pending.is_empty() || !s.deferred.is_empty() {
+                return Err(AllocError::InvalidState(format!(
+                    "pool {pool}: frees on stream {} wait on cross-stream events; call \
+                     synchronize or process_events first",
+                    s.stream
+                )));
+            }
+        }
+        let mut marks = Vec::with_capacity(cells.len());
+        let mut live = 0;
+        for c in &cells {
+            let mut s = lock(&c.shard);
+            let pos = s.add_mark(&token).map_err(AllocError::InvalidState)?;
+            live += s.stats.allocation.all.current as usize;
+            marks.push((s.stream, Arc::downgrade(c), pos));
+        }
+        Ok(Checkpoint {
+            allocator: self.uid,
+            pool,
+            marks,
+            token,
+            live_blocks: live,
+        })
+    }
+
+    /// Return `pool` to `checkpoint` while every allocation in `keep_live` survives at its
+    /// address. Allocations made since are freed and allocations of the checkpoint freed since
+    /// are re-created (the caller owns them); the delta says which. A transaction: on any
+    /// mismatch nothing changes and the error carries a [`RestoreDiff`]. Costs what changed
+    /// since the checkpoint.
+    pub fn restore(
+        &self,
+        pool: PoolId,
+        checkpoint: &Checkpoint,
+        keep_live: &[DevicePtr],
+    ) -> AllocResult<RestoreDelta> {
+        if checkpoint.allocator != self.uid {
+            return Err(AllocError::InvalidArgument(
+                "checkpoint belongs to another allocator".into(),
+            ));
+        }
+        if checkpoint.pool != pool {
+            return Err(AllocError::InvalidArgument(format!(
+                "checkpoint of pool {} cannot restore pool {pool}",
+                checkpoint.pool
+            )));
+        }
+        if !lock(&self.pools).contains_key(&pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        let _reclaim = lock(&self.reclaim);
+        let mut diff = RestoreDiff::default();
+        for (stream, weak, _) in &checkpoint.marks {
+            if weak.upgrade().is_none() {
+                diff.mismatches
+                    .push(format!("stream {stream}: the shard no longer exists"));
+            }
+        }
+        // keep_live grouped by shard.
+        let mut keeps: Vec<(ShardRef, DevicePtr, usize)> = Vec::new();
+        for &p in keep_live {
+            match self.ptrs.get(p) {
+                Some((cell, id)) => {
+                    if lock(&cell.shard).pool != pool {
+                        diff.mismatches
+                            .push(format!("{p:#x} belongs to another pool"));
+                    } else {
+                        keeps.push((cell, p, id));
+                    }
+                }
+                None => diff
+                    .mismatches
+                    .push(format!("{p:#x} is not a live allocation")),
+            }
+        }
+        let cells = self.pool_shards_sorted(pool);
+        let mut guards: Vec<MutexGuard<'_, Shard>> = cells.iter().map(|c| lock(&c.shard)).collect();
+        let mut plans = Vec::with_capacity(cells.len());
+        for (cell, shard) in cells.iter().zip(&guards) {
+            let mark = checkpoint
+                .marks
+                .iter()
+                .find(|(_, w, _)| w.upgrade().is_some_and(|c| Arc::ptr_eq(&c, cell)))
+                .map(|&(_, _, pos)| (pos, checkpoint.token.id));
+            let keep: Vec<(DevicePtr, usize)> = keeps
+                .iter()
+                .filter(|(c, _, _)| Arc::ptr_eq(c, cell))
+                .map(|&(_, p, id)| (p, id))
+                .collect();
+            plans.push(shard.plan_restore(mark, &keep, &mut diff));
+        }
+        if !diff.mismatches.is_empty() {
+            return Err(AllocError::CheckpointMismatch(Box::new(diff)));
+        }
+        for ((cell, shard), plan) in cells.iter().zip(guards.iter_mut()).zip(&plans) {
+            let env = self.env(&cell.pool_budget);
+            shard.restore_map(&env, plan).map_err(|e| match e {
+                ShardError::OutOfMemory => AllocError::OutOfMemory(Box::default()),
+                other => crate::allocator::shard_error(other),
+            })?;
+        }
+        let mut delta = RestoreDelta::default();
+        for ((cell, shard), plan) in cells.iter().zip(guards.iter_mut()).zip(&plans) {
+            let env = self.env(&cell.pool_budget);
+            shard.restore_apply(&env, plan);
+            for &addr in &plan.dropped {
+                self.ptrs.remove(addr);
+            }
+            for &(addr, id) in &plan.survivors {
+                self.ptrs.insert(addr, (cell.clone(), id));
+            }
+            delta.freed.extend_from_slice(&plan.freed);
+            delta.created.extend_from_slice(&plan.created);
+        }
+        drop(guards);
+        delta.freed.sort_unstable();
+        delta.created.sort_unstable();
+        Ok(delta)
+    }
+
+    /// Start a variant group on `pool` (created if new): checkpoints it now.
+    pub fn variant_group(&self, pool: PoolId, count: usize) -> AllocResult<VariantGroup> {
+        if count == 0 {
+            return Err(AllocError::InvalidArgument(
+                "a variant group needs variants".into(),
+            ));
+        }
+        if !lock(&self.pools).contains_key(&pool) {
+            self.create_or_incref_pool(pool, Default::default())?;
+        }
+        let base = self.checkpoint(pool)?;
+        Ok(VariantGroup {
+            pool,
+            base,
+            count,
+            active: None,
+        })
+    }
+
+    /// Begin variant `k`: the pool returns to the group's checkpoint, so `k` reuses the addresses
+    /// every other variant used. The delta lists what earlier variants still held (now free).
+    pub fn begin_variant(&self, group: &mut VariantGroup, k: usize) -> AllocResult<RestoreDelta> {
+        if k >= group.count {
+            return Err(AllocError::InvalidArgument(format!(
+                "variant {k} of a group of {}",
+                group.count
+            )));
+        }
+        if let Some(a) = group.active {
+            return Err(AllocError::InvalidState(format!(
+                "variant {a} has not ended"
+            )));
+        }
+        let delta = self.restore(group.pool, &group.base, &[])?;
+        group.active = Some(k);
+        Ok(delta)
+    }
+
+    /// End the variant being captured; its allocations stay as they are until the next variant
+    /// begins.
+    pub fn end_variant(&self, group: &mut VariantGroup) -> AllocResult<()> {
+        group
+            .active
+            .take()
+            .map(|_| ())
+            .ok_or_else(|| AllocError::InvalidState("no variant of this group is active".into()))
+    }
+}

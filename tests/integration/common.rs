@@ -1,0 +1,98 @@
+//! Helpers shared by the integration tests.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use slotpool::core::{Allocator, Config, GrowthMode};
+use slotpool::sim::{Backing, SimConfig, SimDevice};
+
+pub const MIB: u64 = 1 << 20;
+
+/// A byte-backed simulated device of `total` bytes and an allocator over it.
+pub fn setup(growth: GrowthMode, total: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(
+        SimDevice::new(SimConfig {
+            total_memory: total,
+            backing: Backing::Bytes,
+            ..SimConfig::default()
+        })
+        .expect("sim device"),
+    );
+    let config = Config {
+        growth,
+        vmm_reservation: Some(1 << 30),
+        ..Config::default()
+    };
+    let alloc = Allocator::new(dev.clone(), config);
+    (dev, alloc)
+}
+
+/// One live allocation the test wrote a pattern into.
+#[derive(Clone, Debug)]
+pub struct Live {
+    pub ptr: u64,
+    pub size: u64,
+    pub seed: u64,
+    pub stream: u64,
+}
+
+/// Assert the allocator's invariants, the device contract, and that no live allocation
+/// overlaps another or lost its pattern.
+pub fn check_all(dev: &SimDevice, alloc: &Allocator<SimDevice>, live: &[Live]) {
+    if let Err(e) = alloc.check_invariants() {
+        panic!("invariant broken: {e}");
+    }
+    assert_eq!(
+        dev.contract_violations(),
+        0,
+        "device contract: {:?}",
+        dev.last_violation()
+    );
+    assert_eq!(dev.capture_violations(), 0, "capture rule broken");
+    let mut by_addr: BTreeMap<u64, u64> = BTreeMap::new();
+    for l in live {
+        by_addr.insert(l.ptr, l.size);
+    }
+    let mut end = 0;
+    for (&a, &s) in &by_addr {
+        assert!(a >= end, "live allocations overlap at {a:#x}");
+        end = a + s;
+    }
+    for l in live {
+        if let Err(e) = verify_probes(dev, l.ptr, l.size, l.seed) {
+            panic!("allocation {:#x}+{} lost its pattern: {e}", l.ptr, l.size);
+        }
+    }
+}
+
+/// Probes of an allocation: 64 bytes at every 64 KiB (the sim's chunk) and the last 64 bytes,
+/// each with its own seed, so that a page that moved or an overlap anywhere shows.
+fn probes(ptr: u64, size: u64, seed: u64) -> impl Iterator<Item = (u64, u64, u64)> {
+    const STRIDE: u64 = 64 * 1024;
+    let n = size.div_ceil(STRIDE);
+    (0..n)
+        .map(move |i| {
+            let off = i * STRIDE;
+            (
+                ptr + off,
+                (size - off).min(64),
+                seed.wrapping_mul(31).wrapping_add(i),
+            )
+        })
+        .chain((size >= (n - 1) * STRIDE + 128).then(|| (ptr + size - 64, 64, !seed)))
+}
+
+/// Write the probes' patterns.
+pub fn fill_probes(dev: &SimDevice, ptr: u64, size: u64, seed: u64) {
+    for (p, n, s) in probes(ptr, size, seed) {
+        dev.fill(p, n, s).expect("fill");
+    }
+}
+
+/// Check the probes' patterns.
+pub fn verify_probes(dev: &SimDevice, ptr: u64, size: u64, seed: u64) -> Result<(), String> {
+    for (p, n, s) in probes(ptr, size, seed) {
+        dev.verify(p, n, s).map_err(|e| format!("{e:?}"))?;
+    }
+    Ok(())
+}

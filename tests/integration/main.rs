@@ -1,0 +1,6 @@
+//! Cross-crate tests of the allocator on the simulated device, in one test binary.
+
+mod common;
+mod model;
+mod scenarios;
+mod stress;

@@ -1,0 +1,173 @@
+//! Property tests: random sequences of allocator operations over several streams, with every
+//! invariant, the device contract and every live allocation's bytes checked after each step.
+
+use proptest::prelude::*;
+use slotpool::core::{AllocError, GrowthMode};
+use slotpool::sim::CallKind;
+
+use crate::common::{Live, MIB, check_all, fill_probes, setup};
+
+const STREAMS: [u64; 3] = [0, 7, 9];
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { size: u64, stream: usize },
+    Free { pick: usize },
+    RecordStream { pick: usize, stream: usize },
+    Launch { stream: usize },
+    Complete { stream: usize },
+    ProcessEvents,
+    EmptyCache,
+    InjectOom { kind: usize },
+    SetLimit { mib: u64 },
+}
+
+fn size_strategy() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        6 => 1u64..=64 * 1024,
+        2 => 64 * 1024u64..=MIB,
+        2 => MIB + 1..=6 * MIB,
+        1 => 10 * MIB..=24 * MIB,
+    ]
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => (size_strategy(), 0..STREAMS.len()).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        7 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        2 => (any::<usize>(), 0..STREAMS.len()).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
+        2 => (0..STREAMS.len()).prop_map(|stream| Op::Launch { stream }),
+        2 => (0..STREAMS.len()).prop_map(|stream| Op::Complete { stream }),
+        1 => Just(Op::ProcessEvents),
+        1 => Just(Op::EmptyCache),
+        1 => (0..3usize).prop_map(|kind| Op::InjectOom { kind }),
+        1 => (16u64..256).prop_map(|mib| Op::SetLimit { mib }),
+    ]
+}
+
+/// A freed range that other streams used: it must not be handed out again before their work
+/// queued before the free has completed.
+struct Guard {
+    ptr: u64,
+    size: u64,
+    waits: Vec<(u64, u64)>,
+}
+
+fn run(growth: GrowthMode, ops: &[Op]) {
+    let (dev, alloc) = setup(growth, 256 * MIB);
+    let mut live: Vec<Live> = Vec::new();
+    let mut uses: Vec<Vec<u64>> = Vec::new();
+    let mut guards: Vec<Guard> = Vec::new();
+    let mut seed = 1u64;
+    for op in ops {
+        match *op {
+            Op::Alloc { size, stream } => match alloc.alloc(size, STREAMS[stream]) {
+                Ok(ptr) => {
+                    for g in &guards {
+                        if ptr < g.ptr + g.size && g.ptr < ptr + size {
+                            for &(s, n) in &g.waits {
+                                assert!(
+                                    dev.completed(s) >= n,
+                                    "{ptr:#x} reused while stream {s} may still use it"
+                                );
+                            }
+                        }
+                    }
+                    seed += 1;
+                    fill_probes(&dev, ptr, size, seed);
+                    live.push(Live {
+                        ptr,
+                        size,
+                        seed,
+                        stream: STREAMS[stream],
+                    });
+                    uses.push(Vec::new());
+                }
+                Err(AllocError::OutOfMemory(_)) => {}
+                Err(e) => panic!("unexpected error {e}"),
+            },
+            Op::Free { pick } => {
+                if live.is_empty() {
+                    continue;
+                }
+                let i = pick % live.len();
+                let l = live.swap_remove(i);
+                let used = uses.swap_remove(i);
+                if !used.is_empty() {
+                    // Work that reads the block is queued on each stream that used it.
+                    let waits = used
+                        .iter()
+                        .map(|&s| {
+                            dev.launch(s);
+                            (s, dev.submitted(s))
+                        })
+                        .collect();
+                    guards.push(Guard {
+                        ptr: l.ptr,
+                        size: l.size,
+                        waits,
+                    });
+                }
+                alloc.free(l.ptr).expect("free of a live pointer");
+                assert!(alloc.free(l.ptr).is_err(), "double free accepted");
+            }
+            Op::RecordStream { pick, stream } => {
+                if live.is_empty() {
+                    continue;
+                }
+                let i = pick % live.len();
+                let s = STREAMS[stream];
+                alloc.record_stream(live[i].ptr, s).expect("record_stream");
+                if s != live[i].stream && !uses[i].contains(&s) {
+                    uses[i].push(s);
+                }
+            }
+            Op::Launch { stream } => dev.launch(STREAMS[stream]),
+            Op::Complete { stream } => dev.complete(STREAMS[stream]),
+            Op::ProcessEvents => alloc.process_events(),
+            Op::EmptyCache => alloc.empty_cache(),
+            Op::InjectOom { kind } => {
+                let k = [
+                    CallKind::AllocSegment,
+                    CallKind::CreatePage,
+                    CallKind::Reserve,
+                ][kind];
+                dev.inject_oom(k, 1);
+            }
+            Op::SetLimit { mib } => alloc.set_memory_limit(mib * MIB),
+        }
+        guards.retain(|g| g.waits.iter().any(|&(s, n)| dev.completed(s) < n));
+        check_all(&dev, &alloc, &live);
+    }
+    // Everything freed and complete: empty_cache returns every byte to the device.
+    for l in live.drain(..) {
+        alloc.free(l.ptr).expect("final free");
+    }
+    dev.complete_all();
+    alloc.empty_cache();
+    check_all(&dev, &alloc, &[]);
+    assert_eq!(
+        dev.physical_bytes(),
+        0,
+        "memory left behind after empty_cache"
+    );
+    assert_eq!(alloc.held_bytes(), 0);
+    let st = alloc.stats();
+    assert_eq!(st.allocated_bytes.all.current, 0);
+    assert_eq!(st.active_bytes.all.current, 0);
+    assert_eq!(st.reserved_bytes.all.current, 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn vmm_random_sequences(ops in prop::collection::vec(op_strategy(), 1..120)) {
+        run(GrowthMode::Vmm, &ops);
+    }
+
+    #[test]
+    fn classic_random_sequences(ops in prop::collection::vec(op_strategy(), 1..120)) {
+        run(GrowthMode::Classic, &ops);
+    }
+}

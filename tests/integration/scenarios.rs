@@ -1,0 +1,424 @@
+//! Scenario tests of pools, checkpoint / restore and variant groups, shaped like the real
+//! problem: mutually exclusive CUDA-graph variants and per-layer capture pools.
+
+use std::sync::Arc;
+
+use slotpool::core::{AllocError, Allocator, Config, GrowthMode, PoolId, PoolOptions, RouteFilter};
+use slotpool::sim::{Backing, SimConfig, SimDevice};
+
+use crate::common::{Live, MIB, check_all, fill_probes, setup, verify_probes};
+
+const POOL: PoolId = PoolId(0, 1);
+
+fn accounting(growth: GrowthMode) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(
+        SimDevice::new(SimConfig {
+            total_memory: 80 << 30,
+            backing: Backing::Accounting,
+            auto_complete: true,
+            ..SimConfig::default()
+        })
+        .expect("sim"),
+    );
+    let config = Config {
+        growth,
+        vmm_reservation: Some(64 << 30),
+        ..Config::default()
+    };
+    (dev.clone(), Allocator::new(dev, config))
+}
+
+fn live(ptr: u64, size: u64, seed: u64) -> Live {
+    Live {
+        ptr,
+        size,
+        seed,
+        stream: 0,
+    }
+}
+
+#[test]
+fn checkpoint_restore_frees_new_and_recreates_old() {
+    for growth in [GrowthMode::Vmm, GrowthMode::Classic] {
+        let (dev, a) = setup(growth, 1 << 30);
+        a.create_or_incref_pool(POOL, PoolOptions::default())
+            .unwrap();
+        let pa = a.alloc_in(POOL, 3 * MIB, 0).unwrap();
+        let pb = a.alloc_in(POOL, 4096, 0).unwrap();
+        fill_probes(&dev, pb, 4096, 7);
+        let cp = a.checkpoint(POOL).unwrap();
+        // Unchanged: restore is a no-op.
+        let d = a.restore(POOL, &cp, &[pa, pb]).unwrap();
+        assert!(d.freed.is_empty() && d.created.is_empty(), "{d:?}");
+        a.free(pa).unwrap();
+        let pc = a.alloc_in(POOL, 5 * MIB, 0).unwrap();
+        let pd = a.alloc_in(POOL, 512, 0).unwrap();
+        check_all(&dev, &a, &[live(pb, 4096, 7)]);
+        let d = a.restore(POOL, &cp, &[pb]).unwrap();
+        let mut freed = vec![(pc, a.config().policy.round_size(5 * MIB)), (pd, 512)];
+        freed.sort_unstable();
+        assert_eq!(d.freed, freed, "{growth:?}");
+        assert_eq!(d.created, vec![(pa, 3 * MIB)], "{growth:?}");
+        check_all(&dev, &a, &[live(pb, 4096, 7)]);
+        assert_eq!(a.allocation_info(pa).unwrap().0, pa);
+        if pc != pa {
+            assert!(matches!(a.free(pc), Err(AllocError::UnknownPointer(_))));
+        }
+        assert_eq!(
+            a.allocation_info(pa).unwrap().1,
+            3 * MIB,
+            "re-created at its old size"
+        );
+        // The same checkpoint restores again (what variant groups do).
+        let pe = a.alloc_in(POOL, MIB, 0).unwrap();
+        let d = a.restore(POOL, &cp, &[]).unwrap();
+        assert_eq!(d.freed.len(), 1);
+        assert_eq!(d.freed[0].0, pe);
+        check_all(&dev, &a, &[live(pb, 4096, 7)]);
+        a.free(pa).unwrap();
+        a.free(pb).unwrap();
+        drop(cp);
+        check_all(&dev, &a, &[]);
+    }
+}
+
+#[test]
+fn restore_mismatches_change_nothing() {
+    let (dev, a) = setup(GrowthMode::Vmm, 1 << 30);
+    let other = PoolId(0, 2);
+    a.create_or_incref_pool(POOL, PoolOptions::default())
+        .unwrap();
+    a.create_or_incref_pool(other, PoolOptions::default())
+        .unwrap();
+    let p0 = a.alloc_in(POOL, MIB, 0).unwrap();
+    let cp = a.checkpoint(POOL).unwrap();
+    let p1 = a.alloc_in(POOL, 2 * MIB, 0).unwrap();
+    let q = a.alloc_in(other, MIB, 0).unwrap();
+    let mismatch = |r: Result<_, AllocError>| match r {
+        Err(AllocError::CheckpointMismatch(d)) => d,
+        other => panic!("expected a mismatch, got {other:?}"),
+    };
+    // A pointer allocated since the checkpoint cannot be kept.
+    let d = mismatch(a.restore(POOL, &cp, &[p1]));
+    assert!(d.mismatches[0].contains("must stay live"), "{d}");
+    assert_eq!(d.added, vec![(p1, 2 * MIB)]);
+    // Unknown pointers and pointers of another pool.
+    mismatch(a.restore(POOL, &cp, &[0xdead_0000]));
+    let d = mismatch(a.restore(POOL, &cp, &[q]));
+    assert!(d.to_string().contains("another pool"), "{d}");
+    // A checkpoint of another pool.
+    assert!(matches!(
+        a.restore(other, &cp, &[]),
+        Err(AllocError::InvalidArgument(_))
+    ));
+    // A checkpoint of another allocator.
+    let (_, b) = setup(GrowthMode::Vmm, 1 << 30);
+    b.create_or_incref_pool(POOL, PoolOptions::default())
+        .unwrap();
+    let foreign = b.checkpoint(POOL).unwrap();
+    assert!(matches!(
+        a.restore(POOL, &foreign, &[]),
+        Err(AllocError::InvalidArgument(_))
+    ));
+    // Frees waiting on another stream's events.
+    a.record_stream(p0, 5).unwrap();
+    dev.launch(5);
+    a.free(p0).unwrap();
+    let pending = a.state_dump();
+    let d = mismatch(a.restore(POOL, &cp, &[]));
+    assert!(d.to_string().contains("cross-stream"), "{d}");
+    assert_eq!(
+        a.state_dump(),
+        pending,
+        "a refused restore changed the state"
+    );
+    dev.complete(5);
+    a.process_events();
+    // A stale checkpoint: a later checkpoint is invalidated by restoring an earlier one.
+    let late = a.checkpoint(POOL).unwrap();
+    a.restore(POOL, &cp, &[]).unwrap();
+    let d = mismatch(a.restore(POOL, &late, &[]));
+    assert!(d.to_string().contains("stale"), "{d}");
+    check_all(&dev, &a, &[]);
+}
+
+#[test]
+fn refused_restore_leaves_state_byte_for_byte() {
+    let (dev, a) = setup(GrowthMode::Classic, 1 << 30);
+    a.create_or_incref_pool(POOL, PoolOptions::default())
+        .unwrap();
+    let keep = a.alloc_in(POOL, 8192, 0).unwrap();
+    let cp = a.checkpoint(POOL).unwrap();
+    let newer = a.alloc_in(POOL, 3 * MIB, 0).unwrap();
+    fill_probes(&dev, newer, 3 * MIB, 3);
+    let before = a.state_dump();
+    assert!(a.restore(POOL, &cp, &[keep, newer]).is_err());
+    assert_eq!(a.state_dump(), before);
+    check_all(&dev, &a, &[live(newer, 3 * MIB, 3)]);
+    verify_probes(&dev, newer, 3 * MIB, 3).unwrap();
+}
+
+#[test]
+fn checkpoint_of_unknown_pool_is_an_error() {
+    let (_, a) = setup(GrowthMode::Vmm, 1 << 30);
+    assert!(matches!(
+        a.checkpoint(PoolId(0, 77)),
+        Err(AllocError::UnknownPool(_))
+    ));
+}
+
+#[test]
+fn vmm_restore_remaps_pages_released_since() {
+    let (dev, a) = setup(GrowthMode::Vmm, 1 << 30);
+    a.create_or_incref_pool(POOL, PoolOptions::default())
+        .unwrap();
+    let p = a.alloc_in(POOL, 6 * MIB, 0).unwrap();
+    let cp = a.checkpoint(POOL).unwrap();
+    a.free(p).unwrap();
+    a.empty_pool_cache(POOL).unwrap();
+    assert_eq!(dev.mapped_bytes(), 0, "idle pages released");
+    let d = a.restore(POOL, &cp, &[]).unwrap();
+    assert_eq!(d.created, vec![(p, 6 * MIB)]);
+    assert!(dev.mapped_bytes() >= 6 * MIB);
+    fill_probes(&dev, p, 6 * MIB, 11);
+    check_all(&dev, &a, &[live(p, 6 * MIB, 11)]);
+}
+
+/// One transformer layer's forward + backward allocations at local sequence length `s`
+/// (d = 4096, FFN 16384, bf16): (slot, size) allocations and frees, ending with the outputs
+/// live, as a captured graph leaves them.
+fn layer(s: u64) -> Vec<(usize, Option<u64>)> {
+    let hidden = s * 4096 * 2;
+    let ffn = s * 16384 * 2;
+    vec![
+        (0, Some(hidden)),     // input copy
+        (1, Some(3 * hidden)), // qkv
+        (2, Some(hidden)),     // attention out
+        (3, Some(hidden)),     // projection
+        (1, None),
+        (4, Some(ffn)), // ffn up
+        (5, Some(ffn)), // activation
+        (6, Some(hidden)),
+        (4, None),
+        (7, Some(hidden)), // output
+        (8, Some(hidden)), // grad out
+        (9, Some(ffn)),    // grad ffn
+        (5, None),
+        (10, Some(3 * hidden)),
+        (9, None),
+        (11, Some(hidden)), // grad input
+        (2, None),
+        (3, None),
+        (6, None),
+        (8, None),
+        (10, None),
+        (0, None),
+    ]
+}
+
+fn run_layer(a: &Allocator<SimDevice>, pool: PoolId, s: u64) {
+    let mut slots = [0u64; 12];
+    for (slot, size) in layer(s) {
+        match size {
+            Some(n) => slots[slot] = a.alloc_in(pool, n, 0).expect("alloc"),
+            None => a.free(slots[slot]).expect("free"),
+        }
+    }
+}
+
+const VARIANTS: [u64; 4] = [8192, 4096, 2048, 1024];
+
+fn alone(s: u64) -> u64 {
+    let (dev, a) = accounting(GrowthMode::Vmm);
+    a.create_or_incref_pool(POOL, PoolOptions::default())
+        .unwrap();
+    run_layer(&a, POOL, s);
+    dev.peak_physical_bytes()
+}
+
+fn permutations(v: &[usize]) -> Vec<Vec<usize>> {
+    if v.len() <= 1 {
+        return vec![v.to_vec()];
+    }
+    let mut out = Vec::new();
+    for i in 0..v.len() {
+        let mut rest = v.to_vec();
+        let x = rest.remove(i);
+        for mut p in permutations(&rest) {
+            p.insert(0, x);
+            out.push(p);
+        }
+    }
+    out
+}
+
+#[test]
+fn variant_group_holds_the_largest_variant_in_every_order() {
+    let largest = alone(VARIANTS[0]);
+    for order in permutations(&[0, 1, 2, 3]) {
+        let (dev, a) = accounting(GrowthMode::Vmm);
+        let mut g = a.variant_group(POOL, 4).unwrap();
+        for &k in &order {
+            a.begin_variant(&mut g, k).unwrap();
+            run_layer(&a, POOL, VARIANTS[k]);
+            a.end_variant(&mut g).unwrap();
+        }
+        a.check_invariants().unwrap();
+        let reserved = dev.peak_physical_bytes();
+        assert!(
+            reserved <= largest,
+            "order {order:?}: group reserved {reserved}, largest alone {largest}"
+        );
+    }
+    // Without the group, separate pools hold the sum and one shared pool more than the largest.
+    let (dev, a) = accounting(GrowthMode::Vmm);
+    for (i, &s) in VARIANTS.iter().enumerate() {
+        let p = PoolId(0, 10 + i as u64);
+        a.create_or_incref_pool(p, PoolOptions::default()).unwrap();
+        run_layer(&a, p, s);
+    }
+    let separate = dev.peak_physical_bytes();
+    let sum: u64 = VARIANTS.iter().map(|&s| alone(s)).sum();
+    assert!(
+        separate >= sum * 99 / 100,
+        "separate {separate} vs sum {sum}"
+    );
+    let (dev, a) = accounting(GrowthMode::Vmm);
+    a.create_or_incref_pool(POOL, PoolOptions::default())
+        .unwrap();
+    for &s in VARIANTS.iter().rev() {
+        run_layer(&a, POOL, s);
+    }
+    assert!(
+        dev.peak_physical_bytes() > largest,
+        "a shared pool without restore keeps outputs"
+    );
+}
+
+#[test]
+fn variant_group_rejects_misuse() {
+    let (_, a) = accounting(GrowthMode::Vmm);
+    assert!(a.variant_group(POOL, 0).is_err());
+    let mut g = a.variant_group(POOL, 2).unwrap();
+    assert!(a.begin_variant(&mut g, 2).is_err());
+    a.begin_variant(&mut g, 0).unwrap();
+    assert!(
+        a.begin_variant(&mut g, 1).is_err(),
+        "variant 0 has not ended"
+    );
+    a.end_variant(&mut g).unwrap();
+    assert!(a.end_variant(&mut g).is_err());
+}
+
+/// 24 layers of attention + MoE-like MLP, each captured into its own pool vs one named pool.
+#[test]
+fn per_layer_pools_sharing_a_named_pool_reserve_less() {
+    let layer_sizes = |i: u64| if i.is_multiple_of(2) { 2048 } else { 1536 };
+    let (dev, a) = accounting(GrowthMode::Vmm);
+    for i in 0..24u64 {
+        let p = PoolId(0, 100 + i);
+        a.create_or_incref_pool(p, PoolOptions::default()).unwrap();
+        run_layer(&a, p, layer_sizes(i));
+    }
+    let separate = dev.peak_physical_bytes();
+    let separate_alloc = a.stats().allocated_bytes.all.current as u64;
+
+    let (dev, a) = accounting(GrowthMode::Vmm);
+    let named = a.named_pool("layers", PoolOptions::default()).unwrap();
+    for i in 0..24u64 {
+        // Each layer's capture routes to the shared pool by its capture id.
+        a.begin_allocate_to_pool(named, RouteFilter::All).unwrap();
+        let mut slots = [0u64; 12];
+        for (slot, size) in layer(layer_sizes(i)) {
+            match size {
+                Some(n) => slots[slot] = a.alloc(n, 0).unwrap(),
+                None => a.free(slots[slot]).unwrap(),
+            }
+        }
+        a.end_allocate_to_pool(named).unwrap();
+        a.release_pool(named).unwrap();
+    }
+    let shared = dev.peak_physical_bytes();
+    let peak_alloc = a.pool_stats(named).unwrap().allocated_bytes.all.peak as u64;
+    assert_eq!(a.stats().allocated_bytes.all.current as u64, separate_alloc);
+    assert!(shared < separate, "shared {shared} vs separate {separate}");
+    assert!(
+        shared as f64 <= peak_alloc as f64 * 1.05,
+        "shared pool reserved {shared} for {peak_alloc} allocated"
+    );
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn pools_route_by_thread_stream_and_capture() {
+    let (dev, a) = setup(GrowthMode::Vmm, 1 << 30);
+    let (p1, p2, p3) = (PoolId(0, 1), PoolId(0, 2), PoolId(9, 0));
+    a.begin_allocate_to_pool(p1, RouteFilter::Stream(4))
+        .unwrap();
+    assert!(
+        a.begin_allocate_to_pool(p1, RouteFilter::All).is_err(),
+        "already recording"
+    );
+    a.begin_allocate_to_pool(p2, RouteFilter::Thread(slotpool::core::current_thread_id()))
+        .unwrap();
+    assert_eq!(a.route_for(4).unwrap(), p2, "newest route first");
+    std::thread::scope(|s| {
+        s.spawn(|| assert_eq!(a.route_for(4).unwrap(), p1));
+        s.spawn(|| assert_eq!(a.route_for(3).unwrap(), PoolId::DEFAULT));
+    });
+    a.end_allocate_to_pool(p2).unwrap();
+    assert_eq!(a.route_for(4).unwrap(), p1);
+    // Capture routing: only the capturing stream's allocations go to the capture pool.
+    let id = dev.begin_capture(6).unwrap();
+    a.begin_allocate_to_pool(p3, RouteFilter::Capture(id))
+        .unwrap();
+    let x = a.alloc(MIB, 6).unwrap();
+    let y = a.alloc(MIB, 7).unwrap();
+    assert_eq!(
+        a.pool_stats(p3).unwrap().allocated_bytes.all.current as u64,
+        MIB
+    );
+    // A free during capture of a block used on another stream is deferred, with no event calls.
+    a.record_stream(x, 8).unwrap();
+    a.free(x).unwrap();
+    // PyTorch's order: the capture ends on the stream, then the route ends.
+    dev.end_capture(6).unwrap();
+    a.end_allocate_to_pool(p3).unwrap();
+    dev.complete_all();
+    a.process_events();
+    a.free(y).unwrap();
+    check_all(&dev, &a, &[]);
+    // end does not decrement; release does, and a released pool is freed by empty_cache.
+    assert_eq!(a.pool_use_count(p3).unwrap(), 1);
+    assert_eq!(a.release_pool(p3).unwrap(), 0);
+    a.empty_cache();
+    assert!(
+        a.pool_use_count(p3).is_err(),
+        "released, empty pool forgotten"
+    );
+    a.end_allocate_to_pool(p1).unwrap();
+    check_all(&dev, &a, &[]);
+}
+
+#[test]
+fn oom_reports_and_leaves_state_consistent() {
+    let (dev, a) = setup(GrowthMode::Vmm, 64 * MIB);
+    let mut live = Vec::new();
+    loop {
+        match a.alloc(7 * MIB, 0) {
+            Ok(p) => live.push(p),
+            Err(AllocError::OutOfMemory(r)) => {
+                assert!(r.reserved <= 64 * MIB && r.allocated >= 7 * MIB * live.len() as u64);
+                assert!(r.to_string().contains("fragmentation"));
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(a.stats().num_ooms, 1);
+    check_all(&dev, &a, &[]);
+    for p in live {
+        a.free(p).unwrap();
+    }
+    a.alloc(40 * MIB, 0).expect("memory is back after frees");
+}

@@ -1,0 +1,80 @@
+//! Threads on distinct and shared streams hammer one allocator; afterwards every invariant and
+//! every allocation's bytes are checked.
+
+use std::sync::Arc;
+use std::thread;
+
+use slotpool::core::GrowthMode;
+
+use crate::common::{Live, MIB, check_all, fill_probes, setup, verify_probes};
+
+fn stress(growth: GrowthMode) {
+    let (dev, alloc) = setup(growth, 1 << 30);
+    let alloc = Arc::new(alloc);
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (dev, alloc) = (dev.clone(), alloc.clone());
+            thread::spawn(move || {
+                // Threads 0 and 1 share stream 1; 2 and 3 have their own.
+                let stream = if t < 2 { 1 } else { 10 + t };
+                let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ t;
+                let mut live: Vec<Live> = Vec::new();
+                for i in 0..3000u64 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if live.len() < 24 && (!x.is_multiple_of(3) || live.is_empty()) {
+                        let size = match x % 10 {
+                            0 => 2 * MIB + x % MIB,
+                            1..=3 => 64 * 1024 + x % (512 * 1024),
+                            _ => 1 + x % 8192,
+                        };
+                        let ptr = alloc.alloc(size, stream).expect("alloc");
+                        let seed = t << 32 | i;
+                        fill_probes(&dev, ptr, size, seed);
+                        live.push(Live {
+                            ptr,
+                            size,
+                            seed,
+                            stream,
+                        });
+                    } else {
+                        let l = live.swap_remove((x as usize / 7) % live.len());
+                        verify_probes(&dev, l.ptr, l.size, l.seed).expect("pattern intact");
+                        if x.is_multiple_of(5) {
+                            alloc.record_stream(l.ptr, 99).expect("record_stream");
+                        }
+                        alloc.free(l.ptr).expect("free");
+                    }
+                    if i % 500 == 0 {
+                        dev.complete_all();
+                        alloc.process_events();
+                    }
+                }
+                live
+            })
+        })
+        .collect();
+    let mut live = Vec::new();
+    for t in threads {
+        live.extend(t.join().expect("thread panicked"));
+    }
+    check_all(&dev, &alloc, &live);
+    for l in &live {
+        alloc.free(l.ptr).expect("free");
+    }
+    dev.complete_all();
+    alloc.empty_cache();
+    check_all(&dev, &alloc, &[]);
+    assert_eq!(dev.physical_bytes(), 0);
+}
+
+#[test]
+fn threads_on_shared_and_distinct_streams_vmm() {
+    stress(GrowthMode::Vmm);
+}
+
+#[test]
+fn threads_on_shared_and_distinct_streams_classic() {
+    stress(GrowthMode::Classic);
+}
