@@ -171,3 +171,177 @@ proptest! {
         run(GrowthMode::Classic, &ops);
     }
 }
+
+#[derive(Clone, Debug)]
+enum CpOp {
+    Alloc { size: u64 },
+    Free { pick: usize },
+    Checkpoint,
+    Restore { keep: u64 },
+    RestoreWithForeignKeep,
+    CrossStreamFree { pick: usize, complete: bool },
+    EmptyPool,
+}
+
+fn cp_op() -> impl Strategy<Value = CpOp> {
+    prop_oneof![
+        8 => size_strategy().prop_map(|size| CpOp::Alloc { size }),
+        6 => any::<usize>().prop_map(|pick| CpOp::Free { pick }),
+        2 => Just(CpOp::Checkpoint),
+        3 => any::<u64>().prop_map(|keep| CpOp::Restore { keep }),
+        1 => Just(CpOp::RestoreWithForeignKeep),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(pick, complete)| CpOp::CrossStreamFree { pick, complete }),
+        1 => Just(CpOp::EmptyPool),
+    ]
+}
+
+/// (address, block size, seed) of a live allocation in the pool.
+type Held = (u64, u64, u64);
+
+fn run_checkpoints(growth: GrowthMode, ops: &[CpOp]) {
+    use slotpool::core::{PoolId, PoolOptions};
+    let pool = PoolId(0, 42);
+    let (dev, alloc) = setup(growth, 512 * MIB);
+    alloc
+        .create_or_incref_pool(pool, PoolOptions::default())
+        .unwrap();
+    let mut live: Vec<Held> = Vec::new();
+    let mut cp: Option<(slotpool::core::Checkpoint, Vec<Held>)> = None;
+    let mut seed = 100u64;
+    let as_live = |v: &[Held]| -> Vec<Live> {
+        v.iter()
+            .map(|&(ptr, size, seed)| Live {
+                ptr,
+                size,
+                seed,
+                stream: 0,
+            })
+            .collect()
+    };
+    for op in ops {
+        match *op {
+            CpOp::Alloc { size } => {
+                if let Ok(p) = alloc.alloc_in(pool, size, 0) {
+                    let bsize = alloc.allocation_info(p).unwrap().1;
+                    seed += 1;
+                    fill_probes(&dev, p, bsize, seed);
+                    live.push((p, bsize, seed));
+                }
+            }
+            CpOp::Free { pick } => {
+                if !live.is_empty() {
+                    let (p, _, _) = live.swap_remove(pick % live.len());
+                    alloc.free(p).unwrap();
+                }
+            }
+            CpOp::CrossStreamFree { pick, complete } => {
+                if !live.is_empty() {
+                    let (p, _, _) = live.swap_remove(pick % live.len());
+                    alloc.record_stream(p, 7).unwrap();
+                    dev.launch(7);
+                    alloc.free(p).unwrap();
+                    if complete {
+                        dev.complete(7);
+                        alloc.process_events();
+                    }
+                }
+            }
+            CpOp::Checkpoint => {
+                let pending =
+                    alloc.stats().active.all.current > alloc.stats().allocation.all.current;
+                match alloc.checkpoint(pool) {
+                    Ok(c) => {
+                        assert!(!pending, "checkpoint accepted with pending frees");
+                        cp = Some((c, live.clone()));
+                    }
+                    Err(_) => assert!(pending, "checkpoint refused without pending frees"),
+                }
+            }
+            CpOp::Restore { keep } => {
+                let Some((c, then)) = &cp else { continue };
+                let keep_live: Vec<u64> = live
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, l)| {
+                        keep >> (i % 64) & 1 == 1 && then.iter().any(|t| (t.0, t.1) == (l.0, l.1))
+                    })
+                    .map(|(_, l)| l.0)
+                    .collect();
+                let before = alloc.state_dump();
+                match alloc.restore(pool, c, &keep_live) {
+                    Ok(delta) => {
+                        let now: Vec<(u64, u64)> = live.iter().map(|l| (l.0, l.1)).collect();
+                        let was: Vec<(u64, u64)> = then.iter().map(|l| (l.0, l.1)).collect();
+                        let mut freed: Vec<_> =
+                            now.iter().filter(|x| !was.contains(x)).copied().collect();
+                        let mut created: Vec<_> =
+                            was.iter().filter(|x| !now.contains(x)).copied().collect();
+                        freed.sort_unstable();
+                        created.sort_unstable();
+                        assert_eq!(delta.freed, freed, "freed");
+                        assert_eq!(delta.created, created, "created");
+                        // Survivors keep their bytes; re-created blocks get a new pattern.
+                        let mut next = Vec::new();
+                        for &(p, s, _) in then.iter() {
+                            if let Some(&cur) = live.iter().find(|l| (l.0, l.1) == (p, s)) {
+                                next.push(cur);
+                            } else {
+                                seed += 1;
+                                fill_probes(&dev, p, s, seed);
+                                next.push((p, s, seed));
+                            }
+                        }
+                        live = next;
+                    }
+                    Err(AllocError::CheckpointMismatch(_)) => {
+                        assert_eq!(alloc.state_dump(), before, "refused restore changed state");
+                    }
+                    Err(AllocError::OutOfMemory(_)) => {}
+                    Err(e) => panic!("restore: {e}"),
+                }
+            }
+            CpOp::RestoreWithForeignKeep => {
+                let Some((c, then)) = &cp else { continue };
+                let Some(bad) = live
+                    .iter()
+                    .find(|l| !then.iter().any(|t| (t.0, t.1) == (l.0, l.1)))
+                else {
+                    continue;
+                };
+                let before = alloc.state_dump();
+                let r = alloc.restore(pool, c, &[bad.0]);
+                assert!(matches!(r, Err(AllocError::CheckpointMismatch(_))), "{r:?}");
+                assert_eq!(alloc.state_dump(), before);
+            }
+            CpOp::EmptyPool => alloc.empty_pool_cache(pool).unwrap(),
+        }
+        check_all(&dev, &alloc, &as_live(&live));
+        alloc
+            .verify_live(pool, &live.iter().map(|l| l.0).collect::<Vec<_>>())
+            .unwrap();
+    }
+    drop(cp);
+    dev.complete_all();
+    alloc.process_events();
+    for (p, _, _) in live {
+        alloc.free(p).unwrap();
+    }
+    alloc.release_pool(pool).unwrap();
+    alloc.empty_cache();
+    check_all(&dev, &alloc, &[]);
+    assert_eq!(dev.physical_bytes(), 0, "checkpoints left memory behind");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn vmm_checkpoint_restore_sequences(ops in prop::collection::vec(cp_op(), 1..80)) {
+        run_checkpoints(GrowthMode::Vmm, &ops);
+    }
+
+    #[test]
+    fn classic_checkpoint_restore_sequences(ops in prop::collection::vec(cp_op(), 1..80)) {
+        run_checkpoints(GrowthMode::Classic, &ops);
+    }
+}

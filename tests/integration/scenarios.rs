@@ -422,3 +422,72 @@ fn oom_reports_and_leaves_state_consistent() {
     }
     a.alloc(40 * MIB, 0).expect("memory is back after frees");
 }
+
+#[test]
+fn live_set_queries_and_drain() {
+    let (dev, a) = setup(GrowthMode::Vmm, 1 << 30);
+    a.create_or_incref_pool(POOL, PoolOptions::default())
+        .unwrap();
+    let x = a.alloc_in(POOL, MIB, 0).unwrap();
+    let y = a.alloc_in(POOL, 4096, 0).unwrap();
+    assert_eq!(a.live_allocations(POOL).unwrap().len(), 2);
+    a.verify_live(POOL, &[y, x]).unwrap();
+    let e = a.verify_live(POOL, &[x]).unwrap_err().to_string();
+    assert!(e.contains(&format!("{y:#x}")), "{e}");
+    a.record_stream(x, 3).unwrap();
+    dev.launch(3);
+    a.free(x).unwrap();
+    assert!(
+        a.verify_live(POOL, &[y]).is_ok(),
+        "a pending free is not live"
+    );
+    assert_eq!(a.drain_pending_frees(POOL).unwrap(), 0);
+    assert!(dev.completed(3) >= 1, "draining waited for stream 3");
+    check_all(&dev, &a, &[]);
+    assert!(a.live_allocations(PoolId(5, 5)).is_err());
+}
+
+#[test]
+fn arena_slots_alias_across_branches() {
+    let (dev, a) = setup(GrowthMode::Vmm, 1 << 30);
+    let ar = a.arena_create(POOL, 0).unwrap();
+    a.arena_set_debug(ar, true).unwrap();
+    // CP-like branches: every slot of branch 0 is at least as large as in the others.
+    let sizes = |branch: u64, slot: u64| (8 >> branch) * MIB * (slot + 1);
+    let mut addrs = vec![Vec::new(); 4];
+    for branch in 0..4u32 {
+        for slot in 0..5u32 {
+            let p = a
+                .arena_alloc(ar, branch, slot, sizes(branch as u64, slot as u64))
+                .unwrap();
+            addrs[branch as usize].push(p);
+        }
+        for slot in 0..5u32 {
+            a.arena_free(ar, branch, slot).unwrap();
+        }
+    }
+    for b in 1..4 {
+        assert_eq!(addrs[b], addrs[0], "branch {b} got different addresses");
+    }
+    let r = a.arena_report(ar).unwrap();
+    let largest: u64 = (0..5).map(|s| sizes(0, s)).sum();
+    assert_eq!(r.size, largest, "the arena holds the largest branch");
+    assert!(r.mapped <= largest + 2 * MIB);
+    assert_eq!(r.relocations, 0);
+    // Debug mode traps an overlap between two branches' live slots.
+    a.arena_alloc(ar, 1, 0, MIB).unwrap();
+    let e = a.arena_alloc(ar, 2, 0, MIB).unwrap_err().to_string();
+    assert!(e.contains("not mutually exclusive"), "{e}");
+    assert_eq!(a.arena_report(ar).unwrap().overlaps.len(), 1);
+    assert!(a.arena_destroy(ar).is_err(), "live slots");
+    a.arena_free(ar, 1, 0).unwrap();
+    // A slot that grows after later slots were placed moves to the end.
+    a.arena_alloc(ar, 3, 1, 64 * MIB).unwrap();
+    assert_eq!(a.arena_report(ar).unwrap().relocations, 1);
+    a.arena_free(ar, 3, 1).unwrap();
+    a.check_invariants().unwrap();
+    a.arena_destroy(ar).unwrap();
+    a.empty_cache();
+    assert_eq!(dev.physical_bytes(), 0);
+    check_all(&dev, &a, &[]);
+}

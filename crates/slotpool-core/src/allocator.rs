@@ -63,7 +63,9 @@ pub struct Allocator<D: Device> {
     pub(crate) uid: u64,
     pub(crate) dev: Arc<D>,
     pub(crate) config: Config,
-    vmm_reservation: u64,
+    pub(crate) vmm_reservation: u64,
+    pub(crate) arenas: Mutex<FxHashMap<u64, crate::arena::Arena>>,
+    pub(crate) next_arena: AtomicU64,
     pub(crate) budget: Budget,
     pub(crate) pages: PagePool,
     pub(crate) events: EventPool,
@@ -113,6 +115,8 @@ impl<D: Device> Allocator<D> {
             dev,
             config,
             vmm_reservation,
+            arenas: Mutex::new(FxHashMap::default()),
+            next_arena: AtomicU64::new(1),
             budget: Budget::new(limit),
             pages: PagePool::default(),
             events: EventPool::default(),
@@ -545,6 +549,74 @@ impl<D: Device> Allocator<D> {
         Ok(e.use_count)
     }
 
+    /// Live allocations of `pool`: (address, size), in address order. Costs O(blocks of the
+    /// pool).
+    pub fn live_allocations(&self, pool: PoolId) -> AllocResult<Vec<(DevicePtr, u64)>> {
+        if !lock(&self.pools).contains_key(&pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        let mut out = Vec::new();
+        for cell in self.pool_shards(pool) {
+            let s = lock(&cell.shard);
+            for (sid, _) in s.segments() {
+                out.extend(
+                    s.segment_blocks(sid)
+                        .filter(|(_, b)| b.state == crate::block::BlockState::Allocated)
+                        .map(|(_, b)| (b.addr, b.size)),
+                );
+            }
+        }
+        out.sort_unstable();
+        Ok(out)
+    }
+
+    /// Whether the live allocations of `pool` are exactly `expected` (PyTorch's
+    /// `checkPoolLiveAllocations`); the error names what differs.
+    pub fn verify_live(&self, pool: PoolId, expected: &[DevicePtr]) -> AllocResult<()> {
+        let live: Vec<DevicePtr> = self
+            .live_allocations(pool)?
+            .into_iter()
+            .map(|(a, _)| a)
+            .collect();
+        let mut want = expected.to_vec();
+        want.sort_unstable();
+        want.dedup();
+        if live == want {
+            return Ok(());
+        }
+        let extra: Vec<String> = live
+            .iter()
+            .filter(|p| want.binary_search(p).is_err())
+            .map(|p| format!("{p:#x}"))
+            .collect();
+        let missing: Vec<String> = want
+            .iter()
+            .filter(|p| live.binary_search(p).is_err())
+            .map(|p| format!("{p:#x}"))
+            .collect();
+        Err(AllocError::InvalidState(format!(
+            "pool {pool}: live but not expected [{}], expected but not live [{}]",
+            extra.join(", "),
+            missing.join(", ")
+        )))
+    }
+
+    /// Wait for the cross-stream events of `pool`'s pending frees, so that they become reusable.
+    /// Does nothing during a capture. Returns the frees still pending.
+    pub fn drain_pending_frees(&self, pool: PoolId) -> AllocResult<usize> {
+        if !lock(&self.pools).contains_key(&pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        let mut left = 0;
+        for cell in self.pool_shards(pool) {
+            let env = self.env(&cell.pool_budget);
+            let mut s = lock(&cell.shard);
+            s.synchronize_events(&env);
+            left += s.pending_frees();
+        }
+        Ok(left)
+    }
+
     /// Every registered pool id.
     pub fn pools(&self) -> Vec<PoolId> {
         let mut v: Vec<PoolId> = lock(&self.pools).keys().copied().collect();
@@ -782,6 +854,10 @@ impl<D: Device> Allocator<D> {
         let mut allocated = 0usize;
         let mut held = self.pages.len() as u64 * ps;
         let mut per_pool: FxHashMap<PoolId, u64> = FxHashMap::default();
+        for (pool, bytes) in self.arena_bytes() {
+            held += bytes;
+            *per_pool.entry(pool).or_default() += bytes;
+        }
         for (&(pool, stream), cell) in &shards {
             let s = lock(&cell.shard);
             s.check_invariants(ps)

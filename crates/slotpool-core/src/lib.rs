@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 pub mod allocator;
+pub mod arena;
 pub mod block;
 pub mod checkpoint;
 pub mod config;
@@ -37,6 +38,7 @@ pub mod sync;
 pub mod variants;
 
 pub use allocator::{Allocator, MAX_REQUEST};
+pub use arena::{ArenaId, ArenaReport, Overlap};
 pub use checkpoint::{Checkpoint, RestoreDelta, RestoreDiff};
 pub use config::{Config, ConfigError, GrowthMode};
 pub use device::{

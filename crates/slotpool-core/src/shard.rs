@@ -146,6 +146,14 @@ impl Shard {
             .count()
     }
 
+    /// Frees waiting on cross-stream events or on the end of a capture.
+    pub fn pending_frees(&self) -> usize {
+        self.blocks
+            .iter()
+            .filter(|(_, b)| b.state == BlockState::PendingFree)
+            .count()
+    }
+
     /// The largest free block (`cacheInfo`).
     pub fn largest_free(&self) -> u64 {
         let a = self.free_small.last().map_or(0, |k| k.0);
@@ -842,6 +850,7 @@ impl Shard {
         if env.capture_underway {
             return out;
         }
+        self.prune_marks();
         if synchronize {
             self.synchronize_events(env);
             self.synchronize_epochs(env);

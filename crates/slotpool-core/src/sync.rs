@@ -1,8 +1,10 @@
 //! Lock helpers. Lock order (never take a lock listed earlier while holding a later one):
 //!
-//! 1. `Allocator::reclaim` (OOM and `empty_cache` paths)
-//! 2. `Allocator::pools`, then `Allocator::routes`, then `Allocator::shards`
-//! 3. one shard (never two shards at once)
+//! 1. `Allocator::reclaim` (OOM, `empty_cache`, checkpoint and restore paths)
+//! 2. `Allocator::arenas`, then `Allocator::pools`, then `Allocator::routes`, then
+//!    `Allocator::shards`
+//! 3. one shard (never two at once, except checkpoint and restore, which lock a pool's shards in
+//!    stream order while holding `reclaim`)
 //! 4. a pointer-map shard
 //! 5. `PagePool` / `EventPool` (leaf locks)
 
