@@ -159,7 +159,7 @@ fn run(growth: GrowthMode, ops: &[Op]) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: crate::common::cases(48), ..ProptestConfig::default() })]
 
     #[test]
     fn vmm_random_sequences(ops in prop::collection::vec(op_strategy(), 1..120)) {
@@ -333,7 +333,7 @@ fn run_checkpoints(growth: GrowthMode, ops: &[CpOp]) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: crate::common::cases(48), ..ProptestConfig::default() })]
 
     #[test]
     fn vmm_checkpoint_restore_sequences(ops in prop::collection::vec(cp_op(), 1..80)) {
