@@ -64,6 +64,7 @@ pub struct Allocator<D: Device> {
     pub(crate) dev: Arc<D>,
     pub(crate) config: Config,
     pub(crate) vmm_reservation: u64,
+    pub(crate) page_size: u64,
     pub(crate) arenas: Mutex<FxHashMap<u64, crate::arena::Arena>>,
     pub(crate) next_arena: AtomicU64,
     pub(crate) budget: Budget,
@@ -115,6 +116,7 @@ impl<D: Device> Allocator<D> {
             dev,
             config,
             vmm_reservation,
+            page_size: ps,
             arenas: Mutex::new(FxHashMap::default()),
             next_arena: AtomicU64::new(1),
             budget: Budget::new(limit),
@@ -186,6 +188,7 @@ impl<D: Device> Allocator<D> {
     pub(crate) fn env<'a>(&'a self, pool_budget: &'a Budget) -> Env<'a> {
         Env {
             dev: &*self.dev,
+            page_size: self.page_size,
             policy: &self.config.policy,
             growth: self.config.growth,
             budget: &self.budget,
@@ -751,7 +754,7 @@ impl<D: Device> Allocator<D> {
         }
         for page in self.pages.drain() {
             if self.dev.release_page(page).is_ok() {
-                self.budget.release(self.dev.page_size());
+                self.budget.release(self.page_size);
             } else {
                 self.pages.put(page);
                 break;
@@ -848,7 +851,7 @@ impl<D: Device> Allocator<D> {
     /// 4. each pool's budget equals what its shards hold.
     pub fn check_invariants(&self) -> Result<(), String> {
         let _reclaim = lock(&self.reclaim);
-        let ps = self.dev.page_size();
+        let ps = self.page_size;
         let shards = self.all_shards();
         let mut ranges = Vec::new();
         let mut allocated = 0usize;
@@ -958,7 +961,7 @@ impl<D: Device> Allocator<D> {
     /// `memory_snapshot()`). A vmm reservation is reported as one segment per contiguous run of
     /// mapped pages, as PyTorch reports expandable segments; free blocks are clipped to the run.
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
-        let ps = self.dev.page_size().max(1);
+        let ps = self.page_size.max(1);
         let mut out = Vec::new();
         for cell in self.all_shards().values() {
             let s = lock(&cell.shard);

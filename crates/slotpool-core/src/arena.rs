@@ -191,7 +191,7 @@ impl<D: Device> Allocator<D> {
         Ok(ArenaReport {
             base: a.base,
             size: a.end,
-            mapped: a.pages.len() as u64 * self.dev.page_size(),
+            mapped: a.pages.len() as u64 * self.page_size,
             slots: a.slots.len(),
             relocations: a.relocations,
             live: a.live.len(),
@@ -218,7 +218,7 @@ impl<D: Device> Allocator<D> {
         let a = arenas
             .remove(&arena.0)
             .ok_or_else(|| unknown_arena(arena))?;
-        let ps = self.dev.page_size();
+        let ps = self.page_size;
         for (i, &page) in a.pages.iter().enumerate() {
             self.dev.unmap(a.base + i as u64 * ps)?;
             self.pages.put(page);
@@ -255,7 +255,7 @@ impl<D: Device> Allocator<D> {
         if new_end > a.capacity {
             return Err(AllocError::OutOfMemory(Box::default()));
         }
-        let ps = self.dev.page_size();
+        let ps = self.page_size;
         let need = new_end.div_ceil(ps) as usize;
         let pool = a.pool;
         while a.pages.len() < need {
@@ -307,7 +307,7 @@ impl<D: Device> Allocator<D> {
 
     /// Physical bytes held by arenas, per pool (part of `held_bytes`).
     pub(crate) fn arena_bytes(&self) -> Vec<(PoolId, u64)> {
-        let ps = self.dev.page_size();
+        let ps = self.page_size;
         lock(&self.arenas)
             .values()
             .map(|a| (a.pool, a.pages.len() as u64 * ps))

@@ -190,6 +190,9 @@ impl Shard {
             ));
         }
         let mut images: FxHashMap<BlockId, Option<Block>> = FxHashMap::default();
+        if let Some((pos, _)) = mark {
+            images.reserve(self.journal.len().saturating_sub(pos));
+        }
         match mark {
             Some((pos, token)) => {
                 if !self.marks.iter().any(|m| m.pos == pos && m.token == token) {
@@ -221,6 +224,8 @@ impl Shard {
         }
         let mut now: FxHashMap<DevicePtr, (u64, BlockId)> = FxHashMap::default();
         let mut then: FxHashMap<DevicePtr, (u64, BlockId)> = FxHashMap::default();
+        now.reserve(images.len() / 2);
+        then.reserve(images.len() / 2);
         for (&id, img) in &images {
             if let Some(b) = self.blocks.get(id)
                 && b.state != BlockState::Free
@@ -262,7 +267,6 @@ impl Shard {
         diff.added.extend_from_slice(&plan.freed);
         diff.removed.extend_from_slice(&plan.created);
         plan.images = images.into_iter().collect();
-        plan.images.sort_unstable_by_key(|(id, _)| *id);
         plan
     }
 

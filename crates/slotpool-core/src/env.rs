@@ -107,6 +107,8 @@ impl EventPool {
 #[derive(Clone, Copy)]
 pub struct Env<'a> {
     pub dev: &'a dyn Device,
+    /// The device's page size, read once (asking the backend may take a lock).
+    pub page_size: u64,
     pub policy: &'a SizePolicy,
     pub growth: GrowthMode,
     pub budget: &'a Budget,
@@ -132,7 +134,7 @@ impl std::fmt::Debug for Env<'_> {
 
 impl Env<'_> {
     pub fn page_size(&self) -> u64 {
-        self.dev.page_size()
+        self.page_size
     }
 
     /// A physical page for growth: from the device pool, else a new one within the budget.
