@@ -13,6 +13,7 @@ pub mod plot;
 pub mod replay;
 pub mod target;
 pub mod trace;
+pub mod variants;
 
 pub use model::{ModelMode, ModelTarget};
 pub use replay::{ReplayError, ReplayOptions, ReplayReport, ReplayTarget, replay};

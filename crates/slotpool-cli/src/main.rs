@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use slotpool_cli::plot::write_svg;
+use slotpool_cli::variants::{VariantMode, replay_variants};
 use slotpool_cli::{
     ReadOptions, ReplayOptions, ReplayReport, ReplayTarget, SlotpoolTarget, read_trace_with, replay,
 };
@@ -50,6 +51,17 @@ struct ReplayArgs {
     /// Device of a snapshot pickle to replay (default: the first with events).
     #[arg(long)]
     device: Option<usize>,
+    /// Replay a CUDA-graph variant trace (with variant and capture markers) with its captures
+    /// pooled this way, and print the growth of physical memory as JSON.
+    #[arg(long, value_enum, conflicts_with_all = ["plot", "timeline"])]
+    variants: Option<Variants>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Variants {
+    Separate,
+    Shared,
+    Group,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -104,6 +116,19 @@ fn run_replay(args: &ReplayArgs) -> Result<(), String> {
         },
     )
     .map_err(|e| e.to_string())?;
+    if let Some(v) = args.variants {
+        let mode = match v {
+            Variants::Separate => VariantMode::Separate,
+            Variants::Shared => VariantMode::Shared,
+            Variants::Group => VariantMode::Group,
+        };
+        let report = replay_variants(&trace, mode)?;
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
     let mut target = make_target(args.mode)?;
 
     let show_progress = !args.json && std::io::stderr().is_terminal();

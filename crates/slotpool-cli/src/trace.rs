@@ -44,11 +44,17 @@ pub enum Action {
     Oom,
     /// A snapshot was taken; `size` is the total active bytes.
     Snapshot,
+    /// slotpool's marker (benches/gpu/record_graph_variants.py): variant `size` begins.
+    VariantBegin,
+    /// slotpool's marker: a CUDA-graph capture begins (allocations go to the capture pool).
+    CaptureBegin,
+    /// slotpool's marker: the capture ends.
+    CaptureEnd,
 }
 
 impl Action {
     /// Every action, in declaration order.
-    pub const ALL: [Action; 9] = [
+    pub const ALL: [Action; 12] = [
         Action::Alloc,
         Action::FreeRequested,
         Action::FreeCompleted,
@@ -58,6 +64,9 @@ impl Action {
         Action::SegmentUnmap,
         Action::Oom,
         Action::Snapshot,
+        Action::VariantBegin,
+        Action::CaptureBegin,
+        Action::CaptureEnd,
     ];
 
     /// The name used in traces (`alloc`, `free_requested`, ...).
@@ -72,6 +81,9 @@ impl Action {
             Action::SegmentUnmap => "segment_unmap",
             Action::Oom => "oom",
             Action::Snapshot => "snapshot",
+            Action::VariantBegin => "variant_begin",
+            Action::CaptureBegin => "capture_begin",
+            Action::CaptureEnd => "capture_end",
         }
     }
 

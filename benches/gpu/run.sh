@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# slotpool on the H200: builds the CUDA and C++ parts, runs the GPU tests and the benchmarks side
+# by side with PyTorch's allocator, writes everything under $OUT and prints a short table last.
+#
+# Here (the build machine, no GPU):   ./benches/gpu/prepare.sh     (release .so files -> .gpu/)
+# There (through the device tool):    bash benches/gpu/run.sh [STEP...]      carry: .gpu
+#
+# Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+OUT=${OUT:-/tmp/slotpool-gpu}
+mkdir -p "$OUT"
+LIB=$ROOT/.gpu
+BUILD=/tmp/slotpool-build
+mkdir -p "$BUILD"
+export LD_LIBRARY_PATH=$LIB:${LD_LIBRARY_PATH:-}
+export SLOTPOOL_LIB=$LIB/libslotpool.so
+export PYTHONUNBUFFERED=1
+STEPS=${*:-probe suite preload torch_uncached alloc_bench variants torch}
+RES=$OUT/results.jsonl
+: >"$RES"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+note() { echo "{\"step\": \"$1\", $2}" >>"$RES"; }
+run() { # name timeout_s command...
+  local name=$1 t=$2
+  shift 2
+  echo "== $name"
+  local t0=$SECONDS
+  timeout "$t" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  note "$name" "\"rc\": $rc, \"seconds\": $((SECONDS - t0))"
+  tail -n 25 "$OUT/$name.log"
+  return $rc
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvcc --version | tail -n 2
+  python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
+  date -u
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if has probe; then
+  run cuda_probe 120 "$LIB/cuda_probe"
+  if [ -x "$LIB/slotpool_cuda_gpu_tests" ]; then
+    run cuda_gpu_tests 300 "$LIB/slotpool_cuda_gpu_tests" --test-threads=1
+  fi
+fi
+
+if has suite; then
+  if nvcc -O2 -std=c++17 -cudart shared -I include tests/gpu/gpu_suite.cu -L "$LIB" -lslotpool \
+    -Xlinker -rpath="$LIB" -o "$BUILD/gpu_suite" >"$OUT/gpu_suite_build.log" 2>&1; then
+    SLOTPOOL_BACKEND=cuda run gpu_suite 400 "$BUILD/gpu_suite"
+    grep '^{' "$OUT/gpu_suite.log" | sed 's/^{/{"step": "gpu_suite", /' >>"$RES"
+  else
+    note gpu_suite "\"build\": false"
+    tail -n 30 "$OUT/gpu_suite_build.log"
+  fi
+fi
+
+if has preload; then
+  if nvcc -O2 -std=c++17 -cudart shared benches/gpu/preload_loop.cu -o "$BUILD/preload_loop" \
+    >"$OUT/preload_build.log" 2>&1; then
+    run preload_native 300 "$BUILD/preload_loop"
+    LD_PRELOAD=$LIB/libslotpool_preload.so SLOTPOOL_BACKEND=cuda SLOTPOOL_LOG=info \
+      run preload_slotpool 300 "$BUILD/preload_loop"
+    for f in preload_native preload_slotpool; do
+      grep '^{' "$OUT/$f.log" | sed "s/^{/{\"step\": \"$f\", /" >>"$RES"
+    done
+  else
+    note preload "\"build\": false"
+    tail -n 30 "$OUT/preload_build.log"
+  fi
+fi
+
+if has torch_uncached; then
+  # PyTorch with caching off: every tensor is a cudaMalloc/cudaFree, served by slotpool through
+  # LD_PRELOAD, against PyTorch's own caching allocator in the same run.
+  OUT=$OUT run gpt2_native 400 python3 benches/gpu/trace_workloads.py gpt2_train
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 OUT=$OUT run gpt2_uncached 600 python3 benches/gpu/trace_workloads.py gpt2_train
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 LD_PRELOAD=$LIB/libslotpool_preload.so SLOTPOOL_BACKEND=cuda \
+    SLOTPOOL_LOG=info OUT=$OUT run gpt2_preload 400 python3 benches/gpu/trace_workloads.py gpt2_train
+fi
+
+if has alloc_bench; then
+  OUT=$OUT KINDS=0,1,3 run alloc_bench 600 python3 benches/gpu/alloc_bench.py
+fi
+
+if has variants; then
+  for m in separate single:0 shared; do
+    OUT=$OUT run "record_${m/:/}" 400 python3 benches/gpu/record_graph_variants.py "$m"
+  done
+fi
+
+if has torch; then
+  if [ -f benches/gpu/torch_scenarios.py ]; then
+    OUT=$OUT run torch_scenarios 900 python3 benches/gpu/torch_scenarios.py
+    grep '^{' "$OUT/torch_scenarios.log" | sed 's/^{/{"step": "torch", /' >>"$RES"
+  fi
+fi
+
+echo "== summary"
+python3 benches/gpu/summarize.py "$OUT" || cat "$RES"

@@ -1,0 +1,163 @@
+//! Replay of a CUDA-graph variant trace (benches/gpu/record_graph_variants.py) three ways:
+//! each variant's captures in a private pool of its own (PyTorch's default), all variants in one
+//! shared pool (`graph_pool_handle`), and slotpool's variant group (one pool; each variant starts
+//! from the checkpoint taken before variant 0).
+//!
+//! Allocations between `capture_begin` and `capture_end` markers go to the capture pool of the
+//! current variant; all others to the default pool. The figure that matters is the growth of
+//! physical memory from the first `variant_begin` on, as PyTorch's "reserved growth caused by
+//! capture".
+
+use std::sync::Arc;
+
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use slotpool_core::{Allocator, Config, GrowthMode, PoolId, PoolOptions, VariantGroup};
+use slotpool_sim::{Backing, SimConfig, SimDevice};
+
+use crate::trace::{Action, Trace};
+
+/// How the captures of the variants are pooled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VariantMode {
+    /// One private pool per variant.
+    Separate,
+    /// One pool for every variant, no restore.
+    Shared,
+    /// One pool, a variant group: each variant starts from the same checkpoint.
+    Group,
+}
+
+/// What a variant replay measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct VariantReport {
+    pub trace: String,
+    pub mode: VariantMode,
+    pub variants: usize,
+    pub captures: usize,
+    /// Physical bytes when the first variant began.
+    pub base_physical: u64,
+    /// Peak physical bytes from then on, minus the base.
+    pub peak_growth: u64,
+    /// Physical bytes at the end, minus the base (PyTorch's "reserved growth").
+    pub final_growth: u64,
+    /// Allocations that a variant's restore freed (what earlier variants left live).
+    pub freed_by_restore: u64,
+    pub skipped_frees: u64,
+}
+
+const H200_MEMORY: u64 = 143_771_000_832;
+
+/// Replay `trace` with its captures pooled as `mode` says.
+pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport, String> {
+    let dev = Arc::new(
+        SimDevice::new(SimConfig {
+            total_memory: H200_MEMORY,
+            backing: Backing::Accounting,
+            auto_complete: true,
+            ..SimConfig::default()
+        })
+        .map_err(|e| e.to_string())?,
+    );
+    let alloc = Allocator::new(
+        dev.clone(),
+        Config {
+            growth: GrowthMode::Vmm,
+            ..Config::default()
+        },
+    );
+    let free_action = if trace.count(Action::FreeCompleted) > 0 {
+        Action::FreeCompleted
+    } else {
+        Action::FreeRequested
+    };
+    let shared = PoolId(0, 1);
+    let mut group: Option<VariantGroup> = None;
+    let mut live: FxHashMap<u64, u64> = FxHashMap::default();
+    let (mut variant, mut variants, mut captures) = (0usize, 0usize, 0usize);
+    let mut in_capture = false;
+    let mut base: Option<u64> = None;
+    let (mut peak, mut freed_by_restore, mut skipped) = (0u64, 0u64, 0u64);
+    let at = |line: usize| trace.location(line).to_string();
+    for e in &trace.events {
+        match e.action {
+            Action::VariantBegin => {
+                variant = e.size as usize;
+                variants += 1;
+                if base.is_none() {
+                    dev.reset_peak_physical();
+                    base = Some(dev.physical_bytes());
+                }
+                if mode == VariantMode::Group {
+                    let g = match &mut group {
+                        Some(g) => {
+                            alloc.end_variant(g).map_err(|e| e.to_string())?;
+                            g
+                        }
+                        None => group
+                            .insert(alloc.variant_group(shared, 64).map_err(|e| e.to_string())?),
+                    };
+                    let delta = alloc.begin_variant(g, variant).map_err(|e| e.to_string())?;
+                    let gone: rustc_hash::FxHashSet<u64> =
+                        delta.freed.iter().map(|f| f.0).collect();
+                    let before = live.len();
+                    live.retain(|_, p| !gone.contains(p));
+                    freed_by_restore += (before - live.len()) as u64;
+                }
+            }
+            Action::CaptureBegin => {
+                in_capture = true;
+                captures += 1;
+            }
+            Action::CaptureEnd => in_capture = false,
+            Action::Alloc => {
+                let pool = match (in_capture, mode) {
+                    (false, _) => PoolId::DEFAULT,
+                    (true, VariantMode::Separate) => PoolId(0, 100 + variant as u64),
+                    (true, _) => shared,
+                };
+                if !pool.is_default() && alloc.pool_use_count(pool).is_err() {
+                    alloc
+                        .create_or_incref_pool(pool, PoolOptions::default())
+                        .map_err(|e| e.to_string())?;
+                }
+                if let Some(old) = live.remove(&e.addr) {
+                    alloc
+                        .free(old)
+                        .map_err(|err| format!("{}: {err}", at(e.line)))?;
+                }
+                let p = alloc
+                    .alloc_in(pool, e.size, e.stream)
+                    .map_err(|err| format!("{}: {err}", at(e.line)))?;
+                live.insert(e.addr, p);
+            }
+            a if a == free_action => match live.remove(&e.addr) {
+                Some(p) => alloc
+                    .free(p)
+                    .map_err(|err| format!("{}: {err}", at(e.line)))?,
+                None => skipped += 1,
+            },
+            _ => continue,
+        }
+        peak = peak.max(dev.physical_bytes());
+    }
+    if let Some(mut g) = group
+        && g.active().is_some()
+    {
+        alloc.end_variant(&mut g).map_err(|e| e.to_string())?;
+    }
+    alloc.check_invariants()?;
+    let base = base.ok_or_else(|| format!("{}: no variant_begin markers", trace.source))?;
+    Ok(VariantReport {
+        trace: trace.name(),
+        mode,
+        variants,
+        captures,
+        base_physical: base,
+        peak_growth: dev.peak_physical_bytes().max(peak).saturating_sub(base),
+        final_growth: dev.physical_bytes().saturating_sub(base),
+        freed_by_restore,
+        skipped_frees: skipped,
+    })
+}

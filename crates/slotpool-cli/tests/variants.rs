@@ -1,0 +1,89 @@
+//! Variant-trace replay on a synthetic trace with the markers of
+//! benches/gpu/record_graph_variants.py: four CP-shaped variants, each captured forward and
+//! backward, leaving its outputs live.
+
+use slotpool_cli::ReadOptions;
+use slotpool_cli::trace::parse_trace;
+use slotpool_cli::variants::{VariantMode, replay_variants};
+
+fn synthetic() -> String {
+    let mut s = String::from("action,addr,size,stream\n");
+    let mut addr = 1u64 << 40;
+    let mut next = || {
+        addr += 1 << 32;
+        addr
+    };
+    // Weights, allocated before any capture.
+    let w = next();
+    s += &format!("alloc,{w},{},0\n", 256u64 << 20);
+    for (k, seq) in [8192u64, 4096, 2048, 1024].iter().enumerate() {
+        let h = seq * 4096 * 2;
+        s += &format!("variant_begin,0,{k},0\n");
+        let x = next();
+        s += &format!("alloc,{x},{h},0\n"); // static input, outside capture
+        // Warm-up, eager, default pool.
+        let t = next();
+        s += &format!("alloc,{t},{},0\nfree_completed,{t},{},0\n", 4 * h, 4 * h);
+        for _pass in 0..2 {
+            s += "capture_begin,0,0,0\n";
+            let tmp: Vec<u64> = (0..4).map(|_| next()).collect();
+            for (i, &a) in tmp.iter().enumerate() {
+                s += &format!("alloc,{a},{},0\n", h * (i as u64 + 1));
+            }
+            for &a in &tmp[..3] {
+                s += &format!("free_completed,{a},0,0\n");
+            }
+            s += "capture_end,0,0,0\n";
+        }
+    }
+    s
+}
+
+#[test]
+fn variant_group_holds_the_largest_variant() {
+    let text = synthetic();
+    let trace = parse_trace(text.as_bytes(), "synthetic.csv", ReadOptions::default()).unwrap();
+    let sep = replay_variants(&trace, VariantMode::Separate).unwrap();
+    let shared = replay_variants(&trace, VariantMode::Shared).unwrap();
+    let group = replay_variants(&trace, VariantMode::Group).unwrap();
+    assert_eq!(group.variants, 4);
+    assert_eq!(group.captures, 8);
+    assert!(
+        group.freed_by_restore > 0,
+        "outputs of earlier variants are freed"
+    );
+    // Alone: only the largest variant.
+    let cut = text.find("variant_begin,0,1,0").unwrap();
+    let alone_text = text[..cut].to_string();
+    let alone_trace =
+        parse_trace(alone_text.as_bytes(), "alone.csv", ReadOptions::default()).unwrap();
+    let alone = replay_variants(&alone_trace, VariantMode::Separate).unwrap();
+    // Static inputs of every variant live in the default pool in every mode; compare the pools.
+    let inputs: u64 = [8192u64, 4096, 2048, 1024]
+        .iter()
+        .skip(1)
+        .map(|s| s * 4096 * 2)
+        .sum();
+    assert!(
+        group.final_growth <= alone.final_growth + inputs + (2 << 20),
+        "group {} vs alone {} + inputs {inputs}",
+        group.final_growth,
+        alone.final_growth
+    );
+    assert!(
+        sep.final_growth > shared.final_growth,
+        "{sep:?} vs {shared:?}"
+    );
+    assert!(
+        shared.final_growth > group.final_growth,
+        "{shared:?} vs {group:?}"
+    );
+}
+
+#[test]
+fn a_trace_without_markers_is_an_error() {
+    let text = "action,addr,size,stream\nalloc,1,512,0\n";
+    let trace = parse_trace(text.as_bytes(), "plain.csv", ReadOptions::default()).unwrap();
+    let e = replay_variants(&trace, VariantMode::Group).unwrap_err();
+    assert!(e.contains("no variant_begin"), "{e}");
+}
