@@ -99,5 +99,8 @@ pub fn verify_probes(dev: &SimDevice, ptr: u64, size: u64, seed: u64) -> Result<
 
 /// Proptest cases: `default`, or `PROPTEST_CASES` when set (`SLOTPOOL_HEAVY=1` sets it).
 pub fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }

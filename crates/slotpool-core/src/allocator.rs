@@ -219,6 +219,13 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::InvalidSize(size));
         }
         let rounded = self.config.policy.round_size(size);
+        if rounded > self.budget.limit() {
+            // Can never fit: refuse before any bookkeeping is sized for it.
+            self.num_ooms.fetch_add(1, Ordering::Relaxed);
+            return Err(AllocError::OutOfMemory(Box::new(
+                self.oom_report(size, rounded),
+            )));
+        }
         let cell = self.shard_for(pool, stream)?;
         let result = {
             let env = self.env(&cell.pool_budget);

@@ -634,18 +634,23 @@ impl Shard {
         let seg_addr = self.segments[seg].addr;
         let (first, end) = Self::page_range(env, seg_addr, addr, size);
         let missing: Vec<usize> = {
-            let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
+            let SegmentKind::Vmm(pt) = &self.segments[seg].kind else {
                 return Ok(());
             };
-            pt.cover(end);
-            (first..end).filter(|&p| pt.handle[p].is_none()).collect()
+            (first..end)
+                .filter(|&p| pt.handle.get(p).is_none_or(|h| h.is_none()))
+                .collect()
         };
         if missing.is_empty() {
             return Ok(());
         }
+        // Claim before any bookkeeping is sized for the range.
         let pool_bytes = missing.len() as u64 * ps;
-        if !env.pool_budget.try_claim(pool_bytes) {
+        if pool_bytes > env.budget.limit() || !env.pool_budget.try_claim(pool_bytes) {
             return Err(ShardError::OutOfMemory);
+        }
+        if let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind {
+            pt.cover(end);
         }
         let mut got: Vec<PageHandle> = Vec::with_capacity(missing.len());
         while got.len() < missing.len() {

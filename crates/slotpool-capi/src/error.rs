@@ -1,0 +1,288 @@
+//! The C ABI's error type, its status codes, the per-thread last-error message, and [`ffi`], the
+//! guard every entry point runs its body under.
+//!
+//! Every failure in this crate is an [`Error`]; [`Error::status`] is the one place where an error
+//! becomes an `sp_status` code, and the `From` impls below are the one place where core and backend
+//! errors become an [`Error`].
+
+use std::cell::{Cell, RefCell};
+use std::ffi::{CString, c_char};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use slotpool_core::{AllocError, ConfigError, DeviceError, PoolId};
+
+/// Status returned by every `sp_*` call (`sp_status` in `slotpool.h`).
+#[repr(C)]
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum sp_status {
+    /// Success.
+    SP_OK = 0,
+    /// A null pointer, a zero or absurd size, an unknown device, a bad enum value or option.
+    SP_ERR_INVALID_ARGUMENT = 1,
+    /// The device, the memory limit or a pool's limit has no room, even after freeing caches.
+    SP_ERR_OUT_OF_MEMORY = 2,
+    /// The pointer was not returned by slotpool, or was already freed.
+    SP_ERR_UNKNOWN_POINTER = 3,
+    /// No pool with this id exists on this device.
+    SP_ERR_UNKNOWN_POOL = 4,
+    /// The call is not valid now (pool already released, no route to end, already initialised).
+    SP_ERR_INVALID_STATE = 5,
+    /// The requested backend cannot be used here (no CUDA driver, no device).
+    SP_ERR_BACKEND_UNAVAILABLE = 6,
+    /// The backend failed (a CUDA driver error).
+    SP_ERR_DEVICE = 7,
+    /// The library could not be initialised from the environment (lazy initialisation failed).
+    SP_ERR_NOT_INITIALIZED = 8,
+    /// `sp_shutdown` was called; the library serves no more calls.
+    SP_ERR_SHUTDOWN = 9,
+    /// A bug: a panic inside slotpool was caught at the C boundary.
+    SP_ERR_PANIC = 10,
+    /// A configuration string was rejected (unknown key, bad value).
+    SP_ERR_CONFIG = 11,
+}
+
+/// Every way a C ABI call can fail.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Error {
+    InvalidArgument(String),
+    OutOfMemory(String),
+    UnknownPointer(u64),
+    UnknownPool(PoolId),
+    InvalidState(String),
+    BackendUnavailable(String),
+    Device(String),
+    NotInitialized(String),
+    Shutdown,
+    Panic(String),
+    Config(String),
+}
+
+impl Error {
+    /// The status code of this error: the one mapping from errors to codes.
+    pub fn status(&self) -> sp_status {
+        match self {
+            Error::InvalidArgument(_) => sp_status::SP_ERR_INVALID_ARGUMENT,
+            Error::OutOfMemory(_) => sp_status::SP_ERR_OUT_OF_MEMORY,
+            Error::UnknownPointer(_) => sp_status::SP_ERR_UNKNOWN_POINTER,
+            Error::UnknownPool(_) => sp_status::SP_ERR_UNKNOWN_POOL,
+            Error::InvalidState(_) => sp_status::SP_ERR_INVALID_STATE,
+            Error::BackendUnavailable(_) => sp_status::SP_ERR_BACKEND_UNAVAILABLE,
+            Error::Device(_) => sp_status::SP_ERR_DEVICE,
+            Error::NotInitialized(_) => sp_status::SP_ERR_NOT_INITIALIZED,
+            Error::Shutdown => sp_status::SP_ERR_SHUTDOWN,
+            Error::Panic(_) => sp_status::SP_ERR_PANIC,
+            Error::Config(_) => sp_status::SP_ERR_CONFIG,
+        }
+    }
+
+    /// A null-pointer error for the argument `what`.
+    pub(crate) fn null(what: &str) -> Error {
+        Error::InvalidArgument(format!("{what} is NULL"))
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            Error::OutOfMemory(m) => write!(f, "out of memory: {m}"),
+            Error::UnknownPointer(p) => write!(
+                f,
+                "unknown pointer {p:#x}: not allocated by slotpool, not the start of an \
+                 allocation, or already freed"
+            ),
+            Error::UnknownPool(id) => write!(f, "unknown pool {id}"),
+            Error::InvalidState(m) => write!(f, "invalid state: {m}"),
+            Error::BackendUnavailable(m) => write!(f, "backend unavailable: {m}"),
+            Error::Device(m) => write!(f, "device error: {m}"),
+            Error::NotInitialized(m) => write!(f, "not initialised: {m}"),
+            Error::Shutdown => write!(f, "slotpool was shut down (sp_shutdown)"),
+            Error::Panic(m) => write!(f, "internal error (panic caught at the C boundary): {m}"),
+            Error::Config(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<AllocError> for Error {
+    fn from(e: AllocError) -> Self {
+        match e {
+            AllocError::OutOfMemory(report) => Error::OutOfMemory(report.to_string()),
+            AllocError::InvalidSize(size) => {
+                Error::InvalidArgument(format!("size {size}: must be between 1 and 2^56 bytes"))
+            }
+            AllocError::UnknownPointer(p) => Error::UnknownPointer(p),
+            AllocError::UnknownPool(id) => Error::UnknownPool(id),
+            AllocError::InvalidArgument(m) => Error::InvalidArgument(m),
+            AllocError::InvalidState(m) => Error::InvalidState(m),
+            // A refused restore: the pool is not in a state the checkpoint can be applied to.
+            e @ AllocError::CheckpointMismatch(_) => Error::InvalidState(e.to_string()),
+            AllocError::Device(d) => d.into(),
+        }
+    }
+}
+
+impl From<DeviceError> for Error {
+    fn from(e: DeviceError) -> Self {
+        match e {
+            DeviceError::OutOfMemory => Error::OutOfMemory(e.to_string()),
+            DeviceError::Unavailable(why) => Error::BackendUnavailable(why),
+            other => Error::Device(other.to_string()),
+        }
+    }
+}
+
+impl From<ConfigError> for Error {
+    fn from(e: ConfigError) -> Self {
+        Error::Config(e.to_string())
+    }
+}
+
+/// Result of an internal call.
+pub type Result<T> = std::result::Result<T, Error>;
+
+thread_local! {
+    /// The message of this thread's last failed call, NUL-terminated.
+    static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+    /// Whether `LAST_ERROR` holds a message (checked without touching the `RefCell`).
+    static HAS_ERROR: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Record `e` as this thread's last error.
+pub(crate) fn set_last_error(e: &Error) {
+    let text = e.to_string().replace('\0', "\\0");
+    let msg = CString::new(text).unwrap_or_default();
+    let _ = LAST_ERROR.try_with(|c| *c.borrow_mut() = Some(msg));
+    let _ = HAS_ERROR.try_with(|c| c.set(true));
+}
+
+/// Forget this thread's last error (a call succeeded).
+#[inline]
+fn clear_last_error() {
+    if HAS_ERROR.try_with(Cell::get).unwrap_or(false) {
+        let _ = HAS_ERROR.try_with(|c| c.set(false));
+        let _ = LAST_ERROR.try_with(|c| c.borrow_mut().take());
+    }
+}
+
+/// This thread's last error message as a C string, or `""`. Valid until the next `sp_*` call on
+/// this thread (other than `sp_last_error_message`).
+pub(crate) fn last_error_ptr() -> *const c_char {
+    LAST_ERROR
+        .try_with(|c| c.borrow().as_ref().map(|s| s.as_ptr()))
+        .ok()
+        .flatten()
+        .unwrap_or(c"".as_ptr())
+}
+
+/// The message of a panic payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&'static str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic payload".to_string()
+    }
+}
+
+/// Runs the body of an entry point: a panic becomes [`Error::Panic`], an error becomes its status
+/// code and this thread's last-error message, success clears the message.
+#[inline]
+pub fn ffi<F: FnOnce() -> Result<()>>(f: F) -> sp_status {
+    let result = match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => Err(Error::Panic(panic_message(&*payload))),
+    };
+    match result {
+        Ok(()) => {
+            clear_last_error();
+            sp_status::SP_OK
+        }
+        Err(e) => fail(&e),
+    }
+}
+
+/// Records `e` (and logs it at debug level) and returns its status.
+#[cold]
+pub(crate) fn fail(e: &Error) -> sp_status {
+    tracing::debug!(error = %e, "slotpool call failed");
+    set_last_error(e);
+    e.status()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::CStr;
+
+    use super::*;
+
+    fn last() -> String {
+        // SAFETY: `last_error_ptr` returns a NUL-terminated string valid until the next call on
+        // this thread; it is copied at once.
+        unsafe { CStr::from_ptr(last_error_ptr()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn panic_becomes_status_and_message() {
+        let s = ffi(|| panic!("boom {}", 42));
+        assert_eq!(s, sp_status::SP_ERR_PANIC);
+        assert!(last().contains("boom 42"), "{}", last());
+        assert_eq!(ffi(|| Ok(())), sp_status::SP_OK);
+        assert_eq!(last(), "");
+    }
+
+    #[test]
+    fn every_error_maps_to_its_code() {
+        let cases = [
+            (Error::InvalidArgument("x".into()), 1),
+            (Error::OutOfMemory("x".into()), 2),
+            (Error::UnknownPointer(1), 3),
+            (Error::UnknownPool(PoolId(1, 0)), 4),
+            (Error::InvalidState("x".into()), 5),
+            (Error::BackendUnavailable("x".into()), 6),
+            (Error::Device("x".into()), 7),
+            (Error::NotInitialized("x".into()), 8),
+            (Error::Shutdown, 9),
+            (Error::Panic("x".into()), 10),
+            (Error::Config("x".into()), 11),
+        ];
+        for (e, code) in cases {
+            assert_eq!(e.status() as i32, code, "{e}");
+        }
+        assert_eq!(
+            Error::from(AllocError::InvalidSize(0)).status(),
+            sp_status::SP_ERR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            Error::from(AllocError::Device(DeviceError::Unavailable("x".into()))).status(),
+            sp_status::SP_ERR_BACKEND_UNAVAILABLE
+        );
+        assert_eq!(
+            Error::from(DeviceError::OutOfMemory).status(),
+            sp_status::SP_ERR_OUT_OF_MEMORY
+        );
+        assert_eq!(
+            Error::from(DeviceError::Driver {
+                code: 1,
+                what: "x".into()
+            })
+            .status(),
+            sp_status::SP_ERR_DEVICE
+        );
+        assert_eq!(
+            Error::from(ConfigError("bad".into())).status(),
+            sp_status::SP_ERR_CONFIG
+        );
+    }
+
+    #[test]
+    fn messages_with_nul_survive() {
+        set_last_error(&Error::InvalidArgument("a\0b".into()));
+        assert!(last().contains("a\\0b"));
+    }
+}

@@ -1,0 +1,500 @@
+//! The C functions for CUDA-graph memory: checkpoint / restore, variant groups, arenas, live-set
+//! queries and the invariant check.
+//!
+//! Checkpoints, restore deltas and variant groups are heap objects behind opaque pointers. Every
+//! live handle is registered, so a stale, foreign or freed handle is an `SP_ERR_INVALID_ARGUMENT`,
+//! not a dereference of garbage.
+
+use std::ffi::{c_int, c_void};
+use std::ptr::NonNull;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use rustc_hash::FxHashSet;
+use slotpool_core::{ArenaId, Checkpoint, DevicePtr, RestoreDelta, VariantGroup};
+
+use crate::error::{Error, Result, ffi, sp_status};
+use crate::runtime::{each, runtime};
+use crate::types::sp_pool_id;
+
+/// A checkpoint of one pool on one device (opaque to C).
+#[allow(non_camel_case_types)]
+#[derive(Debug)]
+pub struct sp_checkpoint {
+    device: c_int,
+    cp: Checkpoint,
+}
+
+/// What a restore did (opaque to C).
+#[allow(non_camel_case_types)]
+#[derive(Debug)]
+pub struct sp_restore_delta {
+    delta: RestoreDelta,
+}
+
+/// A variant group (opaque to C).
+#[allow(non_camel_case_types)]
+#[derive(Debug)]
+pub struct sp_variant_group {
+    device: c_int,
+    group: Mutex<VariantGroup>,
+}
+
+/// Addresses of live handles of every kind.
+static HANDLES: Mutex<Option<FxHashSet<usize>>> = Mutex::new(None);
+
+fn handles() -> MutexGuard<'static, Option<FxHashSet<usize>>> {
+    HANDLES.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn register<T>(v: T) -> *mut T {
+    let p = Box::into_raw(Box::new(v));
+    handles()
+        .get_or_insert_with(Default::default)
+        .insert(p as usize);
+    p
+}
+
+/// The handle `p` if it is live.
+fn lookup<'a, T>(p: *const T, what: &str) -> Result<&'a T> {
+    if p.is_null() {
+        return Err(Error::null(what));
+    }
+    if !handles()
+        .as_ref()
+        .is_some_and(|h| h.contains(&(p as usize)))
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{what} is not a live slotpool handle (freed, or never returned by slotpool)"
+        )));
+    }
+    // SAFETY: `p` was returned by `register` (Box::into_raw) and has not been unregistered, so it
+    // points to a live `T`; handles are only freed through `unregister`, which callers must not
+    // race with uses of the same handle (documented in slotpool.h).
+    Ok(unsafe { &*p })
+}
+
+/// Take `p` out of the registry and drop it; unknown pointers are an error.
+fn unregister<T>(p: *mut T, what: &str) -> Result<()> {
+    if p.is_null() {
+        return Ok(());
+    }
+    if !handles().as_mut().is_some_and(|h| h.remove(&(p as usize))) {
+        return Err(Error::InvalidArgument(format!(
+            "{what} is not a live slotpool handle"
+        )));
+    }
+    // SAFETY: `p` came from `Box::into_raw` in `register` and was live in the registry, which we
+    // just left, so this is the only drop.
+    drop(unsafe { Box::from_raw(p) });
+    Ok(())
+}
+
+fn put<T>(out: NonNull<T>, v: T) {
+    // SAFETY: every caller passes an out-pointer the C caller guaranteed valid for a write.
+    unsafe { out.as_ptr().write(v) }
+}
+
+fn required<T>(p: *mut T, what: &str) -> Result<NonNull<T>> {
+    NonNull::new(p).ok_or_else(|| Error::null(what))
+}
+
+/// Pointers from a C array.
+///
+/// # Safety
+///
+/// `ptrs` must be NULL (with `n` = 0) or point to `n` readable pointers.
+unsafe fn ptr_list(ptrs: *const *mut c_void, n: usize) -> Result<Vec<DevicePtr>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if ptrs.is_null() {
+        return Err(Error::null("pointer list"));
+    }
+    // SAFETY: non-null, and `n` readable elements by the caller's contract.
+    let s = unsafe { std::slice::from_raw_parts(ptrs, n) };
+    Ok(s.iter().map(|&p| p as DevicePtr).collect())
+}
+
+fn deliver(delta: RestoreDelta, out: *mut *mut sp_restore_delta) {
+    if let Some(out) = NonNull::new(out) {
+        put(out, register(sp_restore_delta { delta }));
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Checkpoint / restore
+
+/// Takes a checkpoint of pool `id`.
+///
+/// # Safety
+///
+/// `out` must be NULL (an error) or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_checkpoint_take(
+    device: c_int,
+    id: sp_pool_id,
+    out: *mut *mut sp_checkpoint,
+) -> sp_status {
+    ffi(|| {
+        let out = required(out, "out")?;
+        put(out, std::ptr::null_mut());
+        let cp = each!(runtime()?.device(device)?, a => a.checkpoint(id.into()))?;
+        put(out, register(sp_checkpoint { device, cp }));
+        Ok(())
+    })
+}
+
+/// Frees a checkpoint (NULL is accepted).
+///
+/// # Safety
+///
+/// `cp` must be NULL or a handle from `sp_checkpoint_take` not used concurrently.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_checkpoint_free(cp: *mut sp_checkpoint) -> sp_status {
+    ffi(|| unregister(cp, "checkpoint"))
+}
+
+/// Restores pool `id` to checkpoint `cp`, keeping `keep_live[0..n_keep]` live at their addresses.
+///
+/// # Safety
+///
+/// `cp` must be NULL or a live handle; `keep_live` NULL (with `n_keep` 0) or `n_keep` readable
+/// pointers; `delta_out` NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_checkpoint_restore(
+    device: c_int,
+    id: sp_pool_id,
+    cp: *const sp_checkpoint,
+    keep_live: *const *mut c_void,
+    n_keep: usize,
+    delta_out: *mut *mut sp_restore_delta,
+) -> sp_status {
+    ffi(|| {
+        if let Some(out) = NonNull::new(delta_out) {
+            put(out, std::ptr::null_mut());
+        }
+        let c = lookup(cp, "checkpoint")?;
+        if c.device != device {
+            return Err(Error::InvalidArgument(format!(
+                "checkpoint of device {} cannot restore device {device}",
+                c.device
+            )));
+        }
+        // SAFETY: forwarded from the caller's contract.
+        let keep = unsafe { ptr_list(keep_live, n_keep) }?;
+        let delta = each!(runtime()?.device(device)?, a => a.restore(id.into(), &c.cp, &keep))?;
+        deliver(delta, delta_out);
+        Ok(())
+    })
+}
+
+fn delta_count(d: *const sp_restore_delta, freed: bool) -> usize {
+    match lookup(d, "delta") {
+        Ok(d) if freed => d.delta.freed.len(),
+        Ok(d) => d.delta.created.len(),
+        Err(_) => 0,
+    }
+}
+
+/// Allocations a restore freed (0 for an invalid handle).
+#[unsafe(no_mangle)]
+pub extern "C" fn sp_delta_freed_count(d: *const sp_restore_delta) -> usize {
+    std::panic::catch_unwind(|| delta_count(d, true)).unwrap_or(0)
+}
+
+/// Allocations a restore re-created (0 for an invalid handle).
+#[unsafe(no_mangle)]
+pub extern "C" fn sp_delta_created_count(d: *const sp_restore_delta) -> usize {
+    std::panic::catch_unwind(|| delta_count(d, false)).unwrap_or(0)
+}
+
+fn delta_entry(
+    d: *const sp_restore_delta,
+    i: usize,
+    freed: bool,
+    ptr: *mut *mut c_void,
+    size: *mut usize,
+) -> Result<()> {
+    let d = lookup(d, "delta")?;
+    let ptr = required(ptr, "ptr")?;
+    let size = required(size, "size")?;
+    let list = if freed {
+        &d.delta.freed
+    } else {
+        &d.delta.created
+    };
+    let &(p, s) = list
+        .get(i)
+        .ok_or_else(|| Error::InvalidArgument(format!("index {i} of {} entries", list.len())))?;
+    put(ptr, p as *mut c_void);
+    put(size, s as usize);
+    Ok(())
+}
+
+/// Entry `i` of the allocations a restore freed.
+///
+/// # Safety
+///
+/// `ptr` and `size` must be NULL (an error) or valid for writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_delta_freed(
+    d: *const sp_restore_delta,
+    i: usize,
+    ptr: *mut *mut c_void,
+    size: *mut usize,
+) -> sp_status {
+    ffi(|| delta_entry(d, i, true, ptr, size))
+}
+
+/// Entry `i` of the allocations a restore re-created (the caller owns them).
+///
+/// # Safety
+///
+/// `ptr` and `size` must be NULL (an error) or valid for writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_delta_created(
+    d: *const sp_restore_delta,
+    i: usize,
+    ptr: *mut *mut c_void,
+    size: *mut usize,
+) -> sp_status {
+    ffi(|| delta_entry(d, i, false, ptr, size))
+}
+
+/// Frees a delta (NULL is accepted).
+///
+/// # Safety
+///
+/// `d` must be NULL or a live handle not used concurrently.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_delta_free(d: *mut sp_restore_delta) -> sp_status {
+    ffi(|| unregister(d, "delta"))
+}
+
+// ------------------------------------------------------------------------------------------------
+// Variant groups
+
+/// Starts a variant group of `count` variants on pool `id` (created if new): checkpoints it.
+///
+/// # Safety
+///
+/// `out` must be NULL (an error) or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_variant_group_create(
+    device: c_int,
+    id: sp_pool_id,
+    count: usize,
+    out: *mut *mut sp_variant_group,
+) -> sp_status {
+    ffi(|| {
+        let out = required(out, "out")?;
+        put(out, std::ptr::null_mut());
+        let group = each!(runtime()?.device(device)?, a => a.variant_group(id.into(), count))?;
+        put(
+            out,
+            register(sp_variant_group {
+                device,
+                group: Mutex::new(group),
+            }),
+        );
+        Ok(())
+    })
+}
+
+/// Begins variant `k`: the pool returns to the group's checkpoint. `delta_out` (may be NULL)
+/// receives what earlier variants left live and is now freed.
+///
+/// # Safety
+///
+/// `g` must be NULL or a live handle; `delta_out` NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_variant_begin(
+    g: *const sp_variant_group,
+    k: usize,
+    delta_out: *mut *mut sp_restore_delta,
+) -> sp_status {
+    ffi(|| {
+        if let Some(out) = NonNull::new(delta_out) {
+            put(out, std::ptr::null_mut());
+        }
+        let g = lookup(g, "variant group")?;
+        let mut group = g.group.lock().unwrap_or_else(PoisonError::into_inner);
+        let delta = each!(runtime()?.device(g.device)?, a => a.begin_variant(&mut group, k))?;
+        deliver(delta, delta_out);
+        Ok(())
+    })
+}
+
+/// Ends the variant being captured.
+///
+/// # Safety
+///
+/// `g` must be NULL or a live handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_variant_end(g: *const sp_variant_group) -> sp_status {
+    ffi(|| {
+        let g = lookup(g, "variant group")?;
+        let mut group = g.group.lock().unwrap_or_else(PoisonError::into_inner);
+        each!(runtime()?.device(g.device)?, a => a.end_variant(&mut group))?;
+        Ok(())
+    })
+}
+
+/// Frees a variant group (NULL is accepted); the pool and its memory stay.
+///
+/// # Safety
+///
+/// `g` must be NULL or a live handle not used concurrently.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_variant_group_free(g: *mut sp_variant_group) -> sp_status {
+    ffi(|| unregister(g, "variant group"))
+}
+
+// ------------------------------------------------------------------------------------------------
+// Arenas
+
+/// Creates an arena in pool `id` for work on `stream`.
+///
+/// # Safety
+///
+/// `out` must be NULL (an error) or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_arena_create(
+    device: c_int,
+    id: sp_pool_id,
+    stream: u64,
+    out: *mut u64,
+) -> sp_status {
+    ffi(|| {
+        let out = required(out, "out")?;
+        let ar = each!(runtime()?.device(device)?, a => a.arena_create(id.into(), stream))?;
+        put(out, ar.0);
+        Ok(())
+    })
+}
+
+/// Allocates slot `slot` of branch `branch`: the same address in every branch.
+///
+/// # Safety
+///
+/// `out` must be NULL (an error) or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_arena_alloc(
+    device: c_int,
+    arena: u64,
+    branch: u32,
+    slot: u32,
+    size: usize,
+    out: *mut *mut c_void,
+) -> sp_status {
+    ffi(|| {
+        let out = required(out, "out")?;
+        put(out, std::ptr::null_mut());
+        let p = each!(runtime()?.device(device)?, a =>
+            a.arena_alloc(ArenaId(arena), branch, slot, size as u64))?;
+        put(out, p as *mut c_void);
+        Ok(())
+    })
+}
+
+/// Frees slot `slot` of branch `branch`.
+#[unsafe(no_mangle)]
+pub extern "C" fn sp_arena_free(device: c_int, arena: u64, branch: u32, slot: u32) -> sp_status {
+    ffi(|| {
+        each!(runtime()?.device(device)?, a => a.arena_free(ArenaId(arena), branch, slot))?;
+        Ok(())
+    })
+}
+
+/// Turns the arena's overlap check on (non-zero) or off.
+#[unsafe(no_mangle)]
+pub extern "C" fn sp_arena_set_debug(device: c_int, arena: u64, on: c_int) -> sp_status {
+    ffi(|| {
+        each!(runtime()?.device(device)?, a => a.arena_set_debug(ArenaId(arena), on != 0))?;
+        Ok(())
+    })
+}
+
+/// Destroys an arena (refused while slots are live).
+#[unsafe(no_mangle)]
+pub extern "C" fn sp_arena_destroy(device: c_int, arena: u64) -> sp_status {
+    ffi(|| {
+        each!(runtime()?.device(device)?, a => a.arena_destroy(ArenaId(arena)))?;
+        Ok(())
+    })
+}
+
+// ------------------------------------------------------------------------------------------------
+// Live sets and invariants
+
+/// SP_OK iff the live allocations of pool `id` are exactly `ptrs[0..n]`
+/// (`checkPoolLiveAllocations`); else SP_ERR_INVALID_STATE naming the difference.
+///
+/// # Safety
+///
+/// `ptrs` must be NULL (with `n` 0) or `n` readable pointers.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_pool_verify_live(
+    device: c_int,
+    id: sp_pool_id,
+    ptrs: *const *mut c_void,
+    n: usize,
+) -> sp_status {
+    ffi(|| {
+        // SAFETY: forwarded from the caller's contract.
+        let list = unsafe { ptr_list(ptrs, n) }?;
+        each!(runtime()?.device(device)?, a => a.verify_live(id.into(), &list))?;
+        Ok(())
+    })
+}
+
+/// Number of live allocations of pool `id`.
+///
+/// # Safety
+///
+/// `out` must be NULL (an error) or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_pool_live_count(
+    device: c_int,
+    id: sp_pool_id,
+    out: *mut usize,
+) -> sp_status {
+    ffi(|| {
+        let out = required(out, "out")?;
+        let n = each!(runtime()?.device(device)?, a => a.live_allocations(id.into()))?.len();
+        put(out, n);
+        Ok(())
+    })
+}
+
+/// Waits for the cross-stream events of pool `id`'s pending frees; writes how many are still
+/// pending (may be NULL).
+///
+/// # Safety
+///
+/// `left` must be NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_pool_drain_pending_frees(
+    device: c_int,
+    id: sp_pool_id,
+    left: *mut usize,
+) -> sp_status {
+    ffi(|| {
+        let n = each!(runtime()?.device(device)?, a => a.drain_pending_frees(id.into()))?;
+        if let Some(out) = NonNull::new(left) {
+            put(out, n);
+        }
+        Ok(())
+    })
+}
+
+/// Checks every invariant of `device`'s allocator; SP_ERR_INVALID_STATE names the first broken
+/// one. Costs O(blocks): for tests.
+#[unsafe(no_mangle)]
+pub extern "C" fn sp_check_invariants(device: c_int) -> sp_status {
+    ffi(|| {
+        each!(runtime()?.device(device)?, a => a.check_invariants())
+            .map_err(|e| Error::InvalidState(format!("invariant broken: {e}")))?;
+        Ok(())
+    })
+}

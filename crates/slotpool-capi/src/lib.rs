@@ -1,0 +1,26 @@
+//! slotpool-capi: the C ABI of `include/slotpool.h`, built as `libslotpool.so` (SONAME
+//! `libslotpool.so`), `libslotpool.a` and an rlib (for Rust tests and benches).
+//!
+//! * [`api`]: the exported `sp_*` functions. Every one runs its body under [`error::ffi`]
+//!   (`catch_unwind`; errors become an [`sp_status`] and a per-thread message).
+//! * [`error`]: the crate's one [`Error`] type and its mapping to status codes.
+//! * [`runtime`]: the process-wide state (backend, one allocator per device, created lazily),
+//!   initialisation from `sp_init` or from `SLOTPOOL_BACKEND` / `SLOTPOOL_CONF`, and shutdown.
+//! * [`types`]: `#[repr(C)]` mirrors of the header's structs, layout pinned by const asserts.
+//! * [`snapshot`]: the PyTorch-shaped JSON snapshot.
+//!
+//! `docs/c-api.md` is the user guide; `slotpool.h` documents every function.
+
+pub mod api;
+pub mod error;
+pub mod graph;
+pub mod runtime;
+pub mod snapshot;
+pub mod types;
+
+pub use api::*;
+pub use error::{Error, sp_status};
+pub use graph::*;
+pub use types::{
+    sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind, sp_stat, sp_stat_array,
+};

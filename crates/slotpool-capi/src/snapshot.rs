@@ -1,0 +1,76 @@
+//! `sp_snapshot_json`: the allocator state in the shape of PyTorch's `torch.cuda.memory._snapshot()`
+//! (see `docs/c-api.md`). Trace rings (`device_traces`) are empty for now.
+
+use serde_json::{Value, json};
+use slotpool_core::allocator::SegmentSnapshot;
+use slotpool_core::block::BlockState;
+
+use crate::runtime::{Runtime, each};
+
+fn state_name(s: BlockState) -> &'static str {
+    match s {
+        BlockState::Free => "inactive",
+        BlockState::Allocated => "active_allocated",
+        BlockState::PendingFree => "active_pending_free",
+    }
+}
+
+fn segment_json(device: usize, seg: &SegmentSnapshot) -> Value {
+    let mut allocated = 0u64;
+    let mut active = 0u64;
+    let mut requested = 0u64;
+    let blocks: Vec<Value> = seg
+        .blocks
+        .iter()
+        .map(|b| {
+            if b.state == BlockState::Allocated {
+                allocated += b.size;
+            }
+            if b.state != BlockState::Free {
+                active += b.size;
+                requested += b.requested;
+            }
+            json!({
+                "address": b.addr,
+                "size": b.size,
+                "requested_size": b.requested,
+                "state": state_name(b.state),
+                "frames": [],
+            })
+        })
+        .collect();
+    json!({
+        "device": device,
+        "address": seg.addr,
+        "total_size": seg.size,
+        "allocated_size": allocated,
+        "active_size": active,
+        "requested_size": requested,
+        "stream": seg.stream,
+        "segment_type": if seg.small { "small" } else { "large" },
+        "segment_pool_id": [seg.pool.0, seg.pool.1],
+        "is_expandable": seg.vmm,
+        "frames": [],
+        "blocks": blocks,
+    })
+}
+
+/// The snapshot of one device (`Some(i)`) or of every device (`None`) as a JSON string.
+/// Devices whose allocator was never created have no segments.
+pub fn snapshot_json(rt: &Runtime, device: Option<usize>) -> String {
+    let mut segments = Vec::new();
+    for (i, d) in rt.created() {
+        if device.is_some_and(|want| want != i) {
+            continue;
+        }
+        for seg in each!(d, a => a.snapshot()) {
+            segments.push(segment_json(i, &seg));
+        }
+    }
+    let traces: Vec<Value> = (0..rt.device_count()).map(|_| json!([])).collect();
+    json!({
+        "segments": segments,
+        "device_traces": traces,
+    })
+    .to_string()
+}

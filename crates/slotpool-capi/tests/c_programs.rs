@@ -1,0 +1,129 @@
+//! Builds `tests/c/smoke.c` (gcc, C11, also linked statically against `libslotpool.a`) and
+//! `tests/c/smoke.cpp` (g++, C++17) against the `libslotpool.so` cargo built for this test run,
+//! and runs them on the sim backend. Skipped, with a message, where no C compiler exists.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::*;
+
+fn out_dir() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("c-programs");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn run_ok(cmd: &mut Command, what: &str) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{text}",
+        out.status
+    );
+    text
+}
+
+/// Runs a test program on the sim backend with two devices, initialised lazily from the
+/// environment.
+fn run_program(exe: &Path, lib_dir: &Path) -> String {
+    let mut cmd = Command::new(exe);
+    cmd.env("SLOTPOOL_BACKEND", "sim")
+        .env("SLOTPOOL_CONF", "sim_devices:2,sim_memory_mb:8192")
+        .env("LD_LIBRARY_PATH", lib_dir)
+        .env_remove("SLOTPOOL_LOG");
+    if !slotpool_cuda::driver_present() {
+        cmd.env("SLOTPOOL_TEST_NO_CUDA", "1");
+    }
+    run_ok(&mut cmd, &exe.display().to_string())
+}
+
+#[test]
+fn smoke_c_against_the_shared_library() {
+    if !have_tool("cc") {
+        return;
+    }
+    let lib = lib_dir();
+    assert!(
+        lib.join("libslotpool.so").exists(),
+        "libslotpool.so not built"
+    );
+    let exe = out_dir().join("smoke_c");
+    run_ok(
+        Command::new("cc")
+            .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-o"])
+            .arg(&exe)
+            .arg("-I")
+            .arg(repo_root().join("include"))
+            .arg(repo_root().join("tests/c/smoke.c"))
+            .arg("-L")
+            .arg(&lib)
+            .arg("-lslotpool"),
+        "cc smoke.c",
+    );
+    let out = run_program(&exe, &lib);
+    assert!(out.contains("checks passed"), "{out}");
+    println!("{out}");
+}
+
+#[test]
+fn smoke_cpp_against_the_shared_library() {
+    if !have_tool("c++") {
+        return;
+    }
+    let lib = lib_dir();
+    let exe = out_dir().join("smoke_cpp");
+    run_ok(
+        Command::new("c++")
+            .args([
+                "-std=c++17",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-pedantic",
+                "-pthread",
+                "-o",
+            ])
+            .arg(&exe)
+            .arg("-I")
+            .arg(repo_root().join("include"))
+            .arg(repo_root().join("tests/c/smoke.cpp"))
+            .arg("-L")
+            .arg(&lib)
+            .arg("-lslotpool"),
+        "c++ smoke.cpp",
+    );
+    let out = run_program(&exe, &lib);
+    assert!(out.contains("all checks passed"), "{out}");
+}
+
+#[test]
+fn smoke_c_against_the_static_library() {
+    if !have_tool("cc") {
+        return;
+    }
+    let lib = lib_dir();
+    let archive = lib.join("libslotpool.a");
+    assert!(archive.exists(), "libslotpool.a not built");
+    let exe = out_dir().join("smoke_c_static");
+    run_ok(
+        Command::new("cc")
+            .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-o"])
+            .arg(&exe)
+            .arg("-I")
+            .arg(repo_root().join("include"))
+            .arg(repo_root().join("tests/c/smoke.c"))
+            .arg(&archive)
+            .args(["-lpthread", "-ldl", "-lm", "-lrt", "-lgcc_s", "-lc"]),
+        "cc smoke.c libslotpool.a",
+    );
+    // No libslotpool.so needed at run time.
+    let out = run_program(&exe, Path::new("/nonexistent"));
+    assert!(out.contains("checks passed"), "{out}");
+}

@@ -1,0 +1,230 @@
+//! Checkpoint / restore, variant groups, arenas and live-set calls through the C ABI, on the sim
+//! backend, with their bad-input paths: NULL, freed and foreign handles, other pools, stale
+//! checkpoints, keep-live pointers the checkpoint lacks.
+
+mod common;
+
+use std::ffi::c_void;
+use std::ptr::{null, null_mut};
+
+use common::*;
+use slotpool::*;
+
+const MIB: usize = 1 << 20;
+
+fn pool(b: u64) -> sp_pool_id {
+    sp_pool_id { a: 0, b }
+}
+
+fn alloc_in(p: sp_pool_id, size: usize) -> *mut c_void {
+    let mut out = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_pool_alloc(SHARED, p, size, 0, &mut out) });
+    out
+}
+
+#[test]
+fn checkpoint_restore_round_trip_and_delta() {
+    setup();
+    let p = pool(9001);
+    // SAFETY: NULL options and count are allowed.
+    ok(unsafe { sp_pool_create_or_incref(SHARED, p, null(), null_mut()) });
+    let a = alloc_in(p, 3 * MIB);
+    let mut cp = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_checkpoint_take(SHARED, p, &mut cp) });
+    assert!(!cp.is_null());
+    ok(sp_free(a));
+    let b = alloc_in(p, 5 * MIB);
+    let mut delta = null_mut();
+    // SAFETY: live handle, empty keep list, valid out-pointer.
+    ok(unsafe { sp_checkpoint_restore(SHARED, p, cp, null(), 0, &mut delta) });
+    assert_eq!(sp_delta_freed_count(delta), 1);
+    assert_eq!(sp_delta_created_count(delta), 1);
+    let (mut ptr, mut size) = (null_mut(), 0usize);
+    // SAFETY: live handle, valid out-pointers.
+    ok(unsafe { sp_delta_freed(delta, 0, &mut ptr, &mut size) });
+    assert_eq!((ptr, size), (b, 5 * MIB));
+    // SAFETY: as above.
+    ok(unsafe { sp_delta_created(delta, 0, &mut ptr, &mut size) });
+    assert_eq!((ptr, size), (a, 3 * MIB));
+    // SAFETY: out of range index is an error, nothing written.
+    expect(
+        unsafe { sp_delta_created(delta, 1, &mut ptr, &mut size) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    // SAFETY: NULL out-pointer is an error.
+    expect(
+        unsafe { sp_delta_freed(delta, 0, null_mut(), &mut size) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    // SAFETY: live handle.
+    ok(unsafe { sp_delta_free(delta) });
+    // A freed handle is refused, not dereferenced.
+    assert_eq!(sp_delta_freed_count(delta), 0);
+    // SAFETY: the registry rejects the stale handle.
+    expect(
+        unsafe { sp_delta_free(delta) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    // The live set is the checkpoint's.
+    let live = [a];
+    // SAFETY: one readable pointer.
+    ok(unsafe { sp_pool_verify_live(SHARED, p, live.as_ptr(), 1) });
+    // SAFETY: empty list is not the live set.
+    expect(
+        unsafe { sp_pool_verify_live(SHARED, p, null(), 0) },
+        sp_status::SP_ERR_INVALID_STATE,
+    );
+    let mut n = 0usize;
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_pool_live_count(SHARED, p, &mut n) });
+    assert_eq!(n, 1);
+    // Keep-live pointer that the checkpoint lacks: refused, nothing changes.
+    let c = alloc_in(p, MIB);
+    let keep = [c];
+    // SAFETY: one readable pointer; NULL delta is allowed.
+    expect(
+        unsafe { sp_checkpoint_restore(SHARED, p, cp, keep.as_ptr(), 1, null_mut()) },
+        sp_status::SP_ERR_INVALID_STATE,
+    );
+    assert!(last_error().contains("must stay live"), "{}", last_error());
+    ok(sp_free(c));
+    // Another pool, another device: refused.
+    // SAFETY: live handle.
+    expect(
+        unsafe { sp_checkpoint_restore(SHARED, pool(9002), cp, null(), 0, null_mut()) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    // SAFETY: live handle.
+    expect(
+        unsafe { sp_checkpoint_restore(SECOND, p, cp, null(), 0, null_mut()) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    // SAFETY: NULL handle.
+    expect(
+        unsafe { sp_checkpoint_restore(SHARED, p, null(), null(), 0, null_mut()) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    let fake = 0x1234usize as *const sp_checkpoint;
+    expect(
+        // SAFETY: a pointer that is not a handle is refused by the registry, never read.
+        unsafe { sp_checkpoint_restore(SHARED, p, fake, null(), 0, null_mut()) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    // SAFETY: non-zero count with a NULL list.
+    expect(
+        unsafe { sp_checkpoint_restore(SHARED, p, cp, null(), 3, null_mut()) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    // SAFETY: live handle, then freed twice.
+    ok(unsafe { sp_checkpoint_free(cp) });
+    expect(
+        // SAFETY: the freed handle is refused by the registry, never read.
+        unsafe { sp_checkpoint_free(cp) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    ok(sp_free(a));
+    ok(sp_check_invariants(SHARED));
+    // SAFETY: NULL out-pointer; unknown pool.
+    expect(
+        unsafe { sp_checkpoint_take(SHARED, p, null_mut()) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    let mut cp2 = null_mut();
+    expect(
+        // SAFETY: valid out-pointer.
+        unsafe { sp_checkpoint_take(SHARED, pool(424242), &mut cp2) },
+        sp_status::SP_ERR_UNKNOWN_POOL,
+    );
+    assert!(cp2.is_null());
+}
+
+#[test]
+fn variant_group_reuses_addresses() {
+    setup();
+    let p = pool(9100);
+    let mut g = null_mut();
+    // SAFETY: valid out-pointer.
+    expect(
+        unsafe { sp_variant_group_create(SHARED, p, 0, &mut g) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_variant_group_create(SHARED, p, 2, &mut g) });
+    let mut firsts = Vec::new();
+    for k in [1usize, 0, 1] {
+        let mut d = null_mut();
+        // SAFETY: live handle, valid out-pointer.
+        ok(unsafe { sp_variant_begin(g, k, &mut d) });
+        let x = alloc_in(p, (k + 1) * 4 * MIB);
+        firsts.push(x);
+        // SAFETY: live handles.
+        unsafe {
+            ok(sp_variant_end(g));
+            ok(sp_delta_free(d));
+        }
+    }
+    assert!(firsts.iter().all(|&x| x == firsts[0]), "{firsts:?}");
+    // SAFETY: live handle; k out of range; end without begin.
+    unsafe {
+        expect(
+            sp_variant_begin(g, 2, null_mut()),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        expect(sp_variant_end(g), sp_status::SP_ERR_INVALID_STATE);
+        ok(sp_variant_group_free(g));
+        expect(
+            sp_variant_begin(g, 0, null_mut()),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+    }
+    ok(sp_check_invariants(SHARED));
+}
+
+#[test]
+fn arenas_alias_slots() {
+    setup();
+    let p = pool(9200);
+    let mut ar = 0u64;
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_arena_create(SHARED, p, 0, &mut ar) });
+    ok(sp_arena_set_debug(SHARED, ar, 1));
+    let (mut x, mut y) = (null_mut(), null_mut());
+    // SAFETY: valid out-pointers.
+    unsafe {
+        ok(sp_arena_alloc(SHARED, ar, 0, 0, 2 * MIB, &mut x));
+        expect(
+            sp_arena_alloc(SHARED, ar, 1, 0, MIB, &mut y),
+            sp_status::SP_ERR_INVALID_STATE,
+        );
+        assert!(y.is_null());
+        ok(sp_arena_free(SHARED, ar, 0, 0));
+        ok(sp_arena_alloc(SHARED, ar, 1, 0, MIB, &mut y));
+    }
+    assert_eq!(x, y, "slot 0 aliases across branches");
+    expect(
+        sp_arena_destroy(SHARED, ar),
+        sp_status::SP_ERR_INVALID_STATE,
+    );
+    expect(
+        sp_arena_free(SHARED, ar, 1, 5),
+        sp_status::SP_ERR_INVALID_STATE,
+    );
+    ok(sp_arena_free(SHARED, ar, 1, 0));
+    ok(sp_arena_destroy(SHARED, ar));
+    expect(
+        sp_arena_destroy(SHARED, ar),
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    // SAFETY: zero size is rejected.
+    expect(
+        unsafe { sp_arena_alloc(SHARED, 999, 0, 0, MIB, &mut x) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    let mut left = 7usize;
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_pool_drain_pending_frees(SHARED, p, &mut left) });
+    assert_eq!(left, 0);
+    ok(sp_check_invariants(SHARED));
+}

@@ -1,0 +1,583 @@
+//! The forwarder's one link to slotpool: `libslotpool.so`, opened at the first allocation call.
+//!
+//! # Why `dlopen` and not `DT_NEEDED`
+//!
+//! A process must hold one allocator, however many slotpool front ends it loads (this library,
+//! the PyTorch shim, a program linked with `-lslotpool`). So this library contains no allocator:
+//! it forwards to `libslotpool.so` (SONAME `libslotpool.so`). It opens it with `dlopen` rather
+//! than linking it, because cargo does not order the builds of two cdylibs of one workspace (a
+//! link-time `-lslotpool` can fail on a clean clone), and because a lazy open lets every call pass
+//! through when slotpool cannot be had (a program must not fail to start because of us).
+//!
+//! The library is looked for, in order:
+//!
+//! 1. `$SLOTPOOL_LIBRARY`, when set (a path; no fallback if it cannot be opened);
+//! 2. a `libslotpool.so` already loaded in the process (`RTLD_NOLOAD`, matched by SONAME): the
+//!    allocator of the PyTorch shim or of the program is then shared;
+//! 3. `libslotpool.so` in the directory of this library (found with `dladdr` when this library is
+//!    loaded, so a relative `LD_PRELOAD` path and a later `chdir` do not matter);
+//! 4. `libslotpool.so` on the loader's search path (`LD_LIBRARY_PATH`, `ldconfig`).
+//!
+//! It is opened `RTLD_NOW | RTLD_GLOBAL`, so that later users (a shim linked against it,
+//! `ctypes.CDLL("libslotpool.so")`) find this same copy.
+//!
+//! # Backend
+//!
+//! If `libslotpool.so` is not initialised yet, this library calls `sp_init(backend, NULL)` (the
+//! configuration comes from `SLOTPOOL_CONF`). `backend` is `$SLOTPOOL_BACKEND` when set, else
+//! `"cuda"`: unlike other front ends, the preload library never falls back to the simulated
+//! device on its own, since host memory handed to a real CUDA program as device memory would
+//! crash it. `SLOTPOOL_BACKEND=sim` (tests) and `=auto` are honoured when asked for.
+//!
+//! Whatever goes wrong (library missing, wrong version, `sp_init` failing), the reason is printed
+//! once on stderr and every call passes through to CUDA unchanged.
+
+use std::cell::Cell;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use crate::codes::{
+    AllocOutcome, FreeOutcome, SP_ERR_INVALID_STATE, SP_OK, alloc_outcome, free_outcome,
+};
+use crate::report;
+
+/// Environment variable: an explicit path of `libslotpool.so`.
+pub const ENV_LIBRARY: &str = "SLOTPOOL_LIBRARY";
+/// Environment variable: the backend (`cuda`, `sim`, `auto`), read here and by `libslotpool.so`.
+pub const ENV_BACKEND: &str = "SLOTPOOL_BACKEND";
+/// Environment variable: `1` makes a served `cudaFree`/`cuMemFree_v2` synchronise the device
+/// first, as the real ones do (see docs/preload.md).
+pub const ENV_SYNC_FREE: &str = "SLOTPOOL_PRELOAD_SYNC_FREE";
+/// The SONAME and file name of slotpool's C ABI library.
+const LIBRARY: &CStr = c"libslotpool.so";
+
+// ------------------------------------------------------------------------------------------------
+// dladdr and this library's own location
+
+/// What `dladdr` says about an address.
+#[derive(Debug)]
+pub struct DlInfo {
+    /// Load address of the object that contains it.
+    pub base: usize,
+    /// Path of that object as the loader recorded it (may be relative).
+    pub path: Option<PathBuf>,
+}
+
+/// `dladdr(addr)`, or `None` if no loaded object contains the address `addr`.
+pub fn dl_info(addr: usize) -> Option<DlInfo> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: `Dl_info` is plain old data; all-zero is a valid value.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: `info` is a valid out-pointer; dladdr only compares the address with the loaded
+    // objects' ranges, it never dereferences it.
+    if unsafe { libc::dladdr(addr as *const c_void, &mut info) } == 0 {
+        return None;
+    }
+    let path = (!info.dli_fname.is_null()).then(|| {
+        // SAFETY: dladdr returned a NUL-terminated string owned by the loader, alive while the
+        // object is loaded; it is copied at once.
+        let name = unsafe { CStr::from_ptr(info.dli_fname) };
+        PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes()))
+    });
+    Some(DlInfo {
+        base: info.dli_fbase as usize,
+        path,
+    })
+}
+
+/// The directory of this library, made absolute against the working directory at load time.
+fn own_dir() -> Option<&'static Path> {
+    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let path = dl_info(own_dir as *const () as usize)?.path?;
+        let path = std::fs::canonicalize(&path).unwrap_or(path);
+        path.parent().map(Path::to_path_buf)
+    })
+    .as_deref()
+}
+
+/// Runs when the loader maps this library: records its directory while the working directory is
+/// still the one `LD_PRELOAD`'s relative paths were resolved against. Nothing else happens at
+/// load time (no CUDA, no slotpool: a process that never allocates pays nothing).
+extern "C" fn on_load() {
+    let _ = std::panic::catch_unwind(own_dir);
+}
+
+/// The load hook, as an entry of this library's `.init_array`.
+#[used]
+#[unsafe(link_section = ".init_array")]
+static ON_LOAD: extern "C" fn() = on_load;
+
+// ------------------------------------------------------------------------------------------------
+// The functions of libslotpool.so that are used
+
+type SpVersion = unsafe extern "C" fn(*mut c_int, *mut c_int, *mut c_int) -> c_int;
+type SpIsInitialized = unsafe extern "C" fn(*mut c_int) -> c_int;
+type SpInit = unsafe extern "C" fn(*const c_char, *const c_char) -> c_int;
+type SpBackendName = unsafe extern "C" fn(*mut *const c_char) -> c_int;
+type SpLastErrorMessage = unsafe extern "C" fn() -> *const c_char;
+type SpAlloc = unsafe extern "C" fn(c_int, usize, u64, *mut *mut c_void) -> c_int;
+type SpFree = unsafe extern "C" fn(*mut c_void) -> c_int;
+type SpRecordStream = unsafe extern "C" fn(*mut c_void, u64) -> c_int;
+type SpSnapshotJson = unsafe extern "C" fn(c_int, *mut *mut c_char, *mut usize) -> c_int;
+type SpStringFree = unsafe extern "C" fn(*mut c_char) -> c_int;
+type SpAllocationInfo = unsafe extern "C" fn(
+    *mut c_void,
+    *mut *mut c_void,
+    *mut usize,
+    *mut usize,
+    *mut c_int,
+) -> c_int;
+
+/// slotpool, ready to serve.
+#[derive(Debug)]
+pub struct Slotpool {
+    /// `"cuda"` or `"sim"`.
+    pub backend: String,
+    /// True for the simulated backend (its devices need no CUDA context).
+    pub sim: bool,
+    /// Where `libslotpool.so` was found.
+    pub path: String,
+    /// `SLOTPOOL_LOG` is set: keep live and peak bytes for the exit line.
+    log: bool,
+    /// `SLOTPOOL_PRELOAD_SYNC_FREE=1`.
+    pub sync_free: bool,
+    alloc: SpAlloc,
+    free: SpFree,
+    record_stream: SpRecordStream,
+    allocation_info: SpAllocationInfo,
+    snapshot_json: SpSnapshotJson,
+    string_free: SpStringFree,
+}
+
+impl Slotpool {
+    /// Allocates from slotpool. `Some(code)`: answered (`cudaSuccess` with `*out` set, or out of
+    /// memory with `*out` NULL); `None`: pass the call through.
+    ///
+    /// # Safety
+    ///
+    /// `out` must be valid for a write of a pointer.
+    #[inline]
+    pub unsafe fn alloc(
+        &self,
+        device: c_int,
+        size: usize,
+        stream: u64,
+        out: *mut *mut c_void,
+    ) -> Option<c_int> {
+        let mut p = std::ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer; sp_alloc takes any other argument values.
+        let status = unsafe { (self.alloc)(device, size, stream, &mut p) };
+        match alloc_outcome(status) {
+            AllocOutcome::Served => {
+                // SAFETY: the caller guarantees that `out` is writable.
+                unsafe { out.write(p) };
+                report::served_alloc(self.log.then_some(size));
+                Some(crate::codes::CUDA_SUCCESS)
+            }
+            AllocOutcome::OutOfMemory => {
+                // SAFETY: as above.
+                unsafe { out.write(std::ptr::null_mut()) };
+                report::out_of_memory();
+                Some(crate::codes::CUDA_ERROR_OUT_OF_MEMORY)
+            }
+            AllocOutcome::PassThrough => None,
+        }
+    }
+
+    /// Frees the allocation at address `ptr` if slotpool owns it. `Some(cudaSuccess)`: done;
+    /// `None`: not slotpool's, pass the call through.
+    #[inline]
+    pub fn free(&self, ptr: usize) -> Option<c_int> {
+        let bytes = if self.log {
+            self.requested_size(ptr)
+        } else {
+            None
+        };
+        // SAFETY: sp_free accepts any value and never dereferences it.
+        let status = unsafe { (self.free)(ptr as *mut c_void) };
+        match free_outcome(status) {
+            FreeOutcome::Freed => {
+                report::served_free(bytes);
+                Some(crate::codes::CUDA_SUCCESS)
+            }
+            FreeOutcome::AcceptedAfterShutdown => Some(crate::codes::CUDA_SUCCESS),
+            FreeOutcome::PassThrough => None,
+        }
+    }
+
+    /// Frees `ptr` in the order of `stream` (`cudaFreeAsync`): the memory is reused on another
+    /// stream than its own only after the work queued on `stream` so far. As [`Slotpool::free`].
+    #[inline]
+    pub fn free_on_stream(&self, ptr: usize, stream: u64) -> Option<c_int> {
+        // SAFETY: sp_record_stream accepts any value and never dereferences it.
+        let status = unsafe { (self.record_stream)(ptr as *mut c_void, stream) };
+        match free_outcome(status) {
+            FreeOutcome::Freed => self.free(ptr),
+            FreeOutcome::AcceptedAfterShutdown => Some(crate::codes::CUDA_SUCCESS),
+            FreeOutcome::PassThrough => None,
+        }
+    }
+
+    /// True if a free of `ptr` that slotpool refused (not a live allocation of its own) must not
+    /// reach the real library either, because `ptr` is the start of memory slotpool holds: a
+    /// double free of a block at the base of a classic segment would otherwise make the real
+    /// `cudaFree` release the whole segment under slotpool's feet.
+    ///
+    /// Only a pointer that starts a driver allocation is at risk (the real free rejects any other
+    /// pointer, and slotpool's vmm memory), so the driver is asked first; only then is slotpool's
+    /// snapshot searched for the address. The simulated backend holds no driver memory.
+    pub fn holds_segment_start(&self, ptr: usize) -> bool {
+        if self.sim {
+            return false;
+        }
+        if let Some(get) = crate::real::cu_pointer_get_attribute() {
+            let mut start: crate::real::DevicePtr = 0;
+            // SAFETY: `start` is a valid out-pointer for this attribute's CUdeviceptr; the driver
+            // checks `ptr` and never dereferences it on the host.
+            let status = unsafe {
+                get(
+                    (&raw mut start).cast(),
+                    crate::real::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                    ptr as crate::real::DevicePtr,
+                )
+            };
+            if status != crate::codes::CUDA_SUCCESS || start != ptr as crate::real::DevicePtr {
+                return false;
+            }
+        }
+        let mut json: *mut c_char = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: valid out-pointers; -1 is every device.
+        if unsafe { (self.snapshot_json)(-1, &mut json, &mut len) } != SP_OK || json.is_null() {
+            return false;
+        }
+        // SAFETY: sp_snapshot_json returned a NUL-terminated string of `len` bytes, owned by us
+        // until sp_string_free below.
+        let text = unsafe { std::slice::from_raw_parts(json.cast::<u8>(), len) };
+        let found = contains_address(text, ptr);
+        // SAFETY: the string came from sp_snapshot_json and is freed once.
+        unsafe { (self.string_free)(json) };
+        found
+    }
+
+    /// The size the live allocation at `ptr` asked for, if slotpool owns it.
+    fn requested_size(&self, ptr: usize) -> Option<usize> {
+        let (mut base, mut size, mut requested, mut device) = (std::ptr::null_mut(), 0, 0, 0);
+        // SAFETY: four valid out-pointers; `ptr` is never dereferenced.
+        let status = unsafe {
+            (self.allocation_info)(
+                ptr as *mut c_void,
+                &mut base,
+                &mut size,
+                &mut requested,
+                &mut device,
+            )
+        };
+        (status == SP_OK).then_some(requested)
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Process-wide state
+
+/// `None` until the first allocation call; then slotpool, or why every call passes through.
+static STATE: OnceLock<Result<Slotpool, String>> = OnceLock::new();
+
+thread_local! {
+    /// Set on the thread that is starting slotpool: a CUDA call it makes meanwhile (from inside
+    /// the driver, say) passes through instead of waiting for itself.
+    static STARTING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The state if it was decided, without deciding it.
+pub fn state() -> Option<&'static Result<Slotpool, String>> {
+    STATE.get()
+}
+
+/// slotpool if it serves, without starting it (the free hooks: a pointer cannot be slotpool's
+/// before the first allocation started it).
+#[inline]
+pub fn get() -> Option<&'static Slotpool> {
+    STATE.get().and_then(|s| s.as_ref().ok())
+}
+
+/// slotpool if it serves, starting it on the first call.
+#[inline]
+pub fn get_or_start() -> Option<&'static Slotpool> {
+    match STATE.get() {
+        Some(s) => s.as_ref().ok(),
+        None => start_once(),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn start_once() -> Option<&'static Slotpool> {
+    if STARTING.get() {
+        return None;
+    }
+    STATE
+        .get_or_init(|| {
+            STARTING.set(true);
+            let started = std::panic::catch_unwind(start)
+                .unwrap_or_else(|_| Err("a panic while starting slotpool".to_owned()));
+            STARTING.set(false);
+            if let Err(why) = &started {
+                let _ = writeln!(
+                    std::io::stderr().lock(),
+                    "slotpool-preload: warning: slotpool is not serving this process; every CUDA \
+                     allocation call passes through unchanged: {why}"
+                );
+            }
+            started
+        })
+        .as_ref()
+        .ok()
+}
+
+/// The last `dlerror()` message.
+fn dlerror() -> String {
+    // SAFETY: dlerror takes no argument; it returns NULL or a NUL-terminated string valid until
+    // the next dl call on this thread, copied at once.
+    let e = unsafe { libc::dlerror() };
+    if e.is_null() {
+        "unknown error".to_owned()
+    } else {
+        // SAFETY: as above.
+        unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+    }
+}
+
+/// `dlopen(name, flags)`: the handle, or dlerror's message.
+fn dlopen(name: &CStr, flags: c_int) -> Result<*mut c_void, String> {
+    // SAFETY: `name` is NUL-terminated. Opening libslotpool.so runs no code of ours.
+    let h = unsafe { libc::dlopen(name.as_ptr(), flags) };
+    if h.is_null() { Err(dlerror()) } else { Ok(h) }
+}
+
+/// Opens libslotpool.so (see the module documentation): the handle and the path it came from.
+fn open_library() -> Result<(*mut c_void, String), String> {
+    use std::os::unix::ffi::OsStrExt;
+    let flags = libc::RTLD_NOW | libc::RTLD_GLOBAL;
+    if let Some(path) = std::env::var_os(ENV_LIBRARY).filter(|p| !p.is_empty()) {
+        let c = CString::new(path.as_bytes()).map_err(|_| format!("{ENV_LIBRARY} has a NUL"))?;
+        return dlopen(&c, flags)
+            .map(|h| (h, path.to_string_lossy().into_owned()))
+            .map_err(|e| format!("{ENV_LIBRARY}={}: {e}", path.to_string_lossy()));
+    }
+    if let Ok(h) = dlopen(LIBRARY, flags | libc::RTLD_NOLOAD) {
+        let path = loaded_path(h).unwrap_or_else(|| "libslotpool.so (already loaded)".into());
+        return Ok((h, path));
+    }
+    let mut tried = Vec::new();
+    if let Some(dir) = own_dir() {
+        let path = dir.join("libslotpool.so");
+        if path.exists() {
+            let c = CString::new(path.as_os_str().as_bytes())
+                .map_err(|_| "the library's path has a NUL".to_owned())?;
+            match dlopen(&c, flags) {
+                Ok(h) => return Ok((h, path.display().to_string())),
+                Err(e) => tried.push(e),
+            }
+        } else {
+            tried.push(format!("{} does not exist", path.display()));
+        }
+    }
+    match dlopen(LIBRARY, flags) {
+        Ok(h) => Ok((h, loaded_path(h).unwrap_or_else(|| "libslotpool.so".into()))),
+        Err(e) => {
+            tried.push(e);
+            Err(format!(
+                "libslotpool.so could not be loaded ({}); put it next to \
+                 libslotpool_preload.so or set {ENV_LIBRARY}",
+                tried.join("; ")
+            ))
+        }
+    }
+}
+
+/// The file a dlopen handle refers to (for the log), via one of its symbols.
+fn loaded_path(handle: *mut c_void) -> Option<String> {
+    // SAFETY: `handle` is a live dlopen handle; the name is NUL-terminated.
+    let sym = unsafe { libc::dlsym(handle, c"sp_version".as_ptr()) };
+    if sym.is_null() {
+        return None;
+    }
+    dl_info(sym as usize)?.path.map(|p| p.display().to_string())
+}
+
+/// Looks up `name` in `handle` as a function of type `F`.
+///
+/// # Safety
+///
+/// `handle` must be a live dlopen handle, and `F` must be the `unsafe extern "C" fn` type of the
+/// C function `name` (as declared in include/slotpool.h).
+unsafe fn symbol<F: Copy>(handle: *mut c_void, name: &CStr) -> Result<F, String> {
+    const { assert!(size_of::<F>() == size_of::<*mut c_void>()) };
+    // SAFETY: `handle` is live and `name` NUL-terminated (caller's contract).
+    let p = unsafe { libc::dlsym(handle, name.as_ptr()) };
+    if p.is_null() {
+        return Err(format!(
+            "libslotpool.so has no {} (an older library?)",
+            name.to_string_lossy()
+        ));
+    }
+    // SAFETY: `F` is a function pointer type of the same size (asserted above) matching the
+    // symbol's C prototype (caller's contract); data and function pointers share one
+    // representation on the platforms this library is built for.
+    Ok(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
+}
+
+/// sp_last_error_message() as a String.
+fn last_error(f: SpLastErrorMessage) -> String {
+    // SAFETY: takes no argument; returns a NUL-terminated string (never NULL per the header),
+    // valid until the next sp_* call on this thread; copied at once.
+    let p = unsafe { f() };
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: as above.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// Opens and initialises slotpool.
+fn start() -> Result<Slotpool, String> {
+    let (h, path) = open_library()?;
+    // SAFETY: `h` is a live handle and the type is the prototype in include/slotpool.h (as for
+    // every `symbol` call below).
+    let version: SpVersion = unsafe { symbol(h, c"sp_version") }?;
+    let (mut major, mut minor, mut patch) = (0, 0, 0);
+    // SAFETY: three valid out-pointers.
+    let status = unsafe { version(&mut major, &mut minor, &mut patch) };
+    let want = (
+        env!("CARGO_PKG_VERSION_MAJOR")
+            .parse::<c_int>()
+            .unwrap_or(-1),
+        env!("CARGO_PKG_VERSION_MINOR")
+            .parse::<c_int>()
+            .unwrap_or(-1),
+    );
+    if status != SP_OK || (major, minor) != want {
+        return Err(format!(
+            "{path} is version {major}.{minor}.{patch}, this library needs {}.{}.x",
+            want.0, want.1
+        ));
+    }
+    // SAFETY: see above.
+    let (is_initialized, init, backend_name, last_error_message): (
+        SpIsInitialized,
+        SpInit,
+        SpBackendName,
+        SpLastErrorMessage,
+    ) = unsafe {
+        (
+            symbol(h, c"sp_is_initialized")?,
+            symbol(h, c"sp_init")?,
+            symbol(h, c"sp_backend_name")?,
+            symbol(h, c"sp_last_error_message")?,
+        )
+    };
+    let mut initialized = 0;
+    // SAFETY: a valid out-pointer.
+    if unsafe { is_initialized(&mut initialized) } != SP_OK {
+        return Err(format!(
+            "sp_is_initialized failed: {}",
+            last_error(last_error_message)
+        ));
+    }
+    if initialized == 0 {
+        let asked = std::env::var(ENV_BACKEND)
+            .ok()
+            .map(|b| b.trim().to_owned())
+            .filter(|b| !b.is_empty());
+        // No SLOTPOOL_BACKEND: the real device, never the simulated one by default.
+        let backend = CString::new(asked.as_deref().unwrap_or("cuda"))
+            .map_err(|_| format!("{ENV_BACKEND} has a NUL"))?;
+        // SAFETY: a NUL-terminated backend name; NULL conf (SLOTPOOL_CONF applies).
+        let status = unsafe { init(backend.as_ptr(), std::ptr::null()) };
+        // INVALID_STATE: another front end initialised it meanwhile; use that.
+        if status != SP_OK && status != SP_ERR_INVALID_STATE {
+            return Err(format!(
+                "sp_init(\"{}\") failed (status {status}): {}",
+                backend.to_string_lossy(),
+                last_error(last_error_message)
+            ));
+        }
+    }
+    let mut name: *const c_char = std::ptr::null();
+    // SAFETY: a valid out-pointer.
+    if unsafe { backend_name(&mut name) } != SP_OK || name.is_null() {
+        return Err(format!(
+            "sp_backend_name failed: {}",
+            last_error(last_error_message)
+        ));
+    }
+    // SAFETY: a static NUL-terminated string of libslotpool.so.
+    let backend = unsafe { CStr::from_ptr(name) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: see above.
+    let (alloc, free, record_stream, allocation_info, snapshot_json, string_free) = unsafe {
+        (
+            symbol(h, c"sp_alloc")?,
+            symbol(h, c"sp_free")?,
+            symbol(h, c"sp_record_stream")?,
+            symbol(h, c"sp_allocation_info")?,
+            symbol(h, c"sp_snapshot_json")?,
+            symbol(h, c"sp_string_free")?,
+        )
+    };
+    Ok(Slotpool {
+        sim: backend == "sim",
+        backend,
+        path,
+        log: report::log_enabled(),
+        sync_free: std::env::var(ENV_SYNC_FREE).is_ok_and(|v| v.trim() == "1"),
+        alloc,
+        free,
+        record_stream,
+        allocation_info,
+        snapshot_json,
+        string_free,
+    })
+}
+
+/// True if the snapshot JSON `text` has a segment or block whose `"address"` is `ptr`.
+fn contains_address(text: &[u8], ptr: usize) -> bool {
+    let key = b"\"address\":";
+    let want = ptr.to_string();
+    let mut rest = text;
+    while let Some(i) = find(rest, key) {
+        rest = &rest[i + key.len()..];
+        let value = rest.trim_ascii_start();
+        let digits = value.iter().take_while(|b| b.is_ascii_digit()).count();
+        if &value[..digits] == want.as_bytes() {
+            return true;
+        }
+    }
+    false
+}
+
+/// The first index of `needle` in `hay`.
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_addresses() {
+        let json = br#"{"segments":[{"device":0,"address":4096,"total_size":2097152,"blocks":[{"address":4096,"size":512},{"address": 4608,"size":512}]}],"device_traces":[[]]}"#;
+        assert!(contains_address(json, 4096));
+        assert!(contains_address(json, 4608));
+        assert!(!contains_address(json, 409));
+        assert!(!contains_address(json, 40960));
+        assert!(!contains_address(json, 2097152), "a size is not an address");
+        assert!(!contains_address(b"", 1));
+    }
+}

@@ -1,0 +1,425 @@
+/*
+ * slotpool.h - the C ABI of slotpool, a CUDA caching memory allocator.
+ *
+ * Link with -lslotpool (libslotpool.so, SONAME libslotpool.so) or libslotpool.a.
+ * See docs/c-api.md for a guide; this header documents every call.
+ *
+ * Conventions, for every function below unless it says otherwise:
+ *
+ *  - Return value: an sp_status. SP_OK (0) on success; on failure an error code, and
+ *    sp_last_error_message() describes the failure. A failed call changes no allocator state
+ *    (an out-pointer may have been set to NULL/0, as documented).
+ *  - Thread safety: every function may be called from any thread at any time, concurrently.
+ *    Calls on different streams, pools and devices do not contend.
+ *  - Out-pointers are required (NULL -> SP_ERR_INVALID_ARGUMENT) unless marked "may be NULL".
+ *  - Devices are ordinals 0..count-1 (sp_device_count); any other value ->
+ *    SP_ERR_INVALID_ARGUMENT. Where "-1: every device" is noted, -1 means every device in use.
+ *  - Streams are opaque 64-bit handles: a cudaStream_t / CUstream cast to uint64_t; 0 is the
+ *    legacy default stream.
+ *  - Device pointers are never dereferenced by slotpool. A pointer it did not hand out (a host
+ *    pointer, a random address, one already freed, a pointer into the middle of an allocation)
+ *    -> SP_ERR_UNKNOWN_POINTER.
+ *  - Initialisation: the first call other than sp_version, sp_has_feature,
+ *    sp_last_error_message, sp_string_free, sp_is_initialized and sp_init initialises the library
+ *    from the environment (SLOTPOOL_BACKEND, SLOTPOOL_CONF) if sp_init was not called; if that
+ *    fails the call returns SP_ERR_NOT_INITIALIZED with the reason.
+ *  - After sp_shutdown, every call that touches allocator state returns SP_ERR_SHUTDOWN.
+ *  - No function ever aborts the process or lets a panic cross the boundary (SP_ERR_PANIC).
+ */
+#ifndef SLOTPOOL_H
+#define SLOTPOOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h> /* ssize_t */
+
+#define SP_VERSION_MAJOR 0
+#define SP_VERSION_MINOR 1
+#define SP_VERSION_PATCH 0
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* Types                                                                                      */
+
+/** Status of every call. */
+typedef enum sp_status {
+    SP_OK = 0,
+    /** NULL pointer, zero or absurd (> 2^56) size, unknown device, bad enum value or option. */
+    SP_ERR_INVALID_ARGUMENT = 1,
+    /** No room on the device, under the memory limit or under a pool limit, even after
+     *  freeing cached memory. The message says how much is reserved, allocated, held by private
+     *  pools and lost to fragmentation. */
+    SP_ERR_OUT_OF_MEMORY = 2,
+    /** Pointer not allocated by slotpool, not the start of an allocation, or already freed. */
+    SP_ERR_UNKNOWN_POINTER = 3,
+    /** No pool with this id on this device. */
+    SP_ERR_UNKNOWN_POOL = 4,
+    /** Not valid now: pool already released, no route to end, pool already routed to, library
+     *  already initialised. */
+    SP_ERR_INVALID_STATE = 5,
+    /** The backend asked for cannot be used (no CUDA driver or device). */
+    SP_ERR_BACKEND_UNAVAILABLE = 6,
+    /** The backend failed (a CUDA driver error; the message has the code and name). */
+    SP_ERR_DEVICE = 7,
+    /** Initialisation from the environment failed (the message says why). */
+    SP_ERR_NOT_INITIALIZED = 8,
+    /** sp_shutdown was called. */
+    SP_ERR_SHUTDOWN = 9,
+    /** Internal error: a panic was caught at the C boundary. Please report it. */
+    SP_ERR_PANIC = 10,
+    /** A configuration string was rejected (unknown key, bad value); nothing was applied. */
+    SP_ERR_CONFIG = 11
+} sp_status;
+
+/** A pool id, layout-compatible with PyTorch's MempoolId_t (std::pair<uint64_t, uint64_t>):
+ *  {0,0} is the default pool, {n,0} capture-private pools, {0,n} user pools
+ *  (torch.cuda.MemPool, graph_pool_handle), {0, 2^63 + n} pools created by sp_pool_named. */
+typedef struct sp_pool_id {
+    uint64_t a;
+    uint64_t b;
+} sp_pool_id;
+
+/** Settings of a pool. Zero-initialise for the defaults. */
+typedef struct sp_pool_options {
+    /** Non-zero: never split cached blocks of this pool (MemPool(no_split=True)). */
+    int no_split;
+    /** Non-zero: this pool's free blocks may serve other pools that run out of memory
+     *  (MemPool(use_on_oom=True)). */
+    int use_on_oom;
+    /** Most physical bytes the pool may hold; 0 = no limit. */
+    uint64_t limit_bytes;
+} sp_pool_options;
+
+/** Which allocations a route sends to its pool. */
+typedef enum sp_route_kind {
+    /** Every allocation on the device (_cuda_beginAllocateToPool). */
+    SP_ROUTE_ALL = 0,
+    /** Allocations made by the calling thread (torch.cuda.use_mem_pool); arg is ignored. */
+    SP_ROUTE_CURRENT_THREAD = 1,
+    /** Allocations on the stream arg (_cuda_beginAllocateCurrentStreamToPool). */
+    SP_ROUTE_STREAM = 2,
+    /** Allocations on a stream capturing into the CUDA graph capture id arg
+     *  (cudaStreamGetCaptureInfo's id; torch.cuda.graph). */
+    SP_ROUTE_CAPTURE = 3
+} sp_route_kind;
+
+/** One statistic, as in PyTorch's memory_stats(): current value, peak since the last
+ *  sp_reset_peak_stats, totals since the last sp_reset_accumulated_stats. */
+typedef struct sp_stat {
+    int64_t current;
+    int64_t peak;
+    int64_t allocated;
+    int64_t freed;
+} sp_stat;
+
+/** A statistic broken down as PyTorch does: all, small_pool (<= 1 MiB blocks), large_pool. */
+typedef struct sp_stat_array {
+    sp_stat all;
+    sp_stat small_pool;
+    sp_stat large_pool;
+} sp_stat_array;
+
+/** PyTorch's DeviceStats (keys and meanings of torch.cuda.memory_stats()): allocation and
+ *  allocated_bytes count blocks handed out (rounded sizes); active additionally counts blocks
+ *  freed but waiting for other streams; requested_bytes are the sizes asked for; segment and
+ *  reserved_bytes are backend memory; inactive_split are free pieces of split segments.
+ *  976 bytes; layout fixed. */
+typedef struct sp_memory_stats {
+    sp_stat_array allocation;
+    sp_stat_array segment;
+    sp_stat_array active;
+    sp_stat_array inactive_split;
+    sp_stat_array allocated_bytes;
+    sp_stat_array reserved_bytes;
+    sp_stat_array active_bytes;
+    sp_stat_array inactive_split_bytes;
+    sp_stat_array requested_bytes;
+    int64_t num_alloc_retries;
+    int64_t num_ooms;
+    int64_t num_sync_all_streams;
+    int64_t num_device_alloc;
+    int64_t num_device_free;
+    sp_stat oversize_allocations;
+    sp_stat oversize_segments;
+    /** max_split_size in bytes; -1 when unlimited. */
+    int64_t max_split_size;
+} sp_memory_stats;
+
+/* ------------------------------------------------------------------------------------------ */
+/* Library                                                                                    */
+
+/** Writes the library's version (compare with SP_VERSION_MAJOR/MINOR/PATCH).
+ *  Never initialises; works after sp_shutdown. */
+sp_status sp_version(int* major, int* minor, int* patch);
+
+/** Returns 1 if this build supports the feature name, else 0 (also for NULL or unknown names).
+ *  Names: "cuda", "sim", "vmm", "pools", "routes", "statistics", "snapshot",
+ *  "torch_pluggable"; "checkpoint", "arenas", "variant_groups" and "traces" are 0 in this
+ *  version. Never initialises; works after sp_shutdown. */
+int sp_has_feature(const char* name);
+
+/** The message of the latest failed call on this thread; "" once a later call on this thread
+ *  succeeded. Never NULL. Owned by slotpool: valid until the next sp_* call on this thread;
+ *  copy it to keep it. Works after sp_shutdown. */
+const char* sp_last_error_message(void);
+
+/** Initialises the library. Optional: without it, the first call initialises from the
+ *  environment. Must come before any other call that initialises.
+ *  backend: "cuda", "sim" or "auto" (CUDA if device 0 can be opened, else the simulated
+ *           device); NULL = $SLOTPOOL_BACKEND, else "auto".
+ *  conf:    "key:value,..." applied over $SLOTPOOL_CONF (conf wins); NULL = "". Keys: growth
+ *           (vmm|classic), expandable_segments, max_split_size_mb, max_non_split_rounding_mb,
+ *           large_segment_size_mb, roundup_power2_divisions, memory_limit_mb,
+ *           per_process_memory_fraction, vmm_reservation_mb; for the sim backend also
+ *           sim_memory_mb (per device, default 81920), sim_devices (1..64, default 1) and
+ *           sim_auto_complete (0|1, default 1: streams complete at once). sim_* keys are
+ *           ignored by the cuda backend.
+ *  Errors: SP_ERR_CONFIG (unknown key, named in the message; bad value), SP_ERR_INVALID_ARGUMENT
+ *  (unknown backend), SP_ERR_BACKEND_UNAVAILABLE ("cuda" without a driver or device),
+ *  SP_ERR_DEVICE, SP_ERR_INVALID_STATE (already initialised), SP_ERR_SHUTDOWN. On error nothing
+ *  is initialised and sp_init may be called again. */
+sp_status sp_init(const char* backend, const char* conf);
+
+/** Shuts the library down: returns every device's unused cached memory to the backend; live
+ *  allocations stay valid device memory but can no longer be freed through slotpool. Calls
+ *  running concurrently complete safely. Every later call that touches allocator state returns
+ *  SP_ERR_SHUTDOWN; there is no re-initialisation. A second sp_shutdown returns
+ *  SP_ERR_SHUTDOWN. */
+sp_status sp_shutdown(void);
+
+/** Writes 1 if the library is initialised, else 0. Never initialises. */
+sp_status sp_is_initialized(int* out);
+
+/** Writes the backend in use, "cuda" or "sim" (a static string; do not free). */
+sp_status sp_backend_name(const char** out);
+
+/** Writes the number of devices of the backend (CUDA devices, or sim_devices). */
+sp_status sp_device_count(int* out);
+
+/** Frees a string returned by slotpool (sp_snapshot_json). NULL is accepted (SP_OK). Strings
+ *  are malloc()ed, so free() works too. Works after sp_shutdown. */
+sp_status sp_string_free(char* s);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Allocation                                                                                 */
+
+/** Allocates size bytes on device for use on stream and writes the pointer to *out (NULL on
+ *  failure). The pool is chosen by the active routes (the default pool when none match). The
+ *  memory is reused on the same stream as soon as it is freed, and on other streams only once
+ *  the work queued before the free (and on every stream passed to sp_record_stream) completed.
+ *  Errors: SP_ERR_INVALID_ARGUMENT (out NULL, size 0 or > 2^56, unknown device),
+ *  SP_ERR_OUT_OF_MEMORY, SP_ERR_DEVICE. */
+sp_status sp_alloc(int device, size_t size, uint64_t stream, void** out);
+
+/** Frees a pointer returned by sp_alloc, sp_pool_alloc or sp_torch_malloc. Its memory stays
+ *  cached. Errors: SP_ERR_INVALID_ARGUMENT (NULL), SP_ERR_UNKNOWN_POINTER (not from slotpool,
+ *  or already freed: a double free is detected and changes nothing). */
+sp_status sp_free(void* ptr);
+
+/** Notes that the allocation at ptr is used on stream too (Tensor.record_stream): after
+ *  sp_free it is reused on another stream only once the work queued on stream before the free
+ *  has completed. Errors: SP_ERR_INVALID_ARGUMENT (NULL), SP_ERR_UNKNOWN_POINTER. */
+sp_status sp_record_stream(void* ptr, uint64_t stream);
+
+/** Describes the live allocation that starts at ptr: *base = ptr, *size = rounded size,
+ *  *requested = size asked for, *device = its device. All four out-pointers are required.
+ *  Errors: SP_ERR_INVALID_ARGUMENT, SP_ERR_UNKNOWN_POINTER. */
+sp_status sp_allocation_info(void* ptr, void** base, size_t* size, size_t* requested,
+                             int* device);
+
+/** Returns the unused cached memory of device (-1: every device) to the backend
+ *  (torch.cuda.empty_cache). Pools still in use keep theirs (live graphs may reference it). */
+sp_status sp_empty_cache(int device);
+
+/** Caps the physical memory device may hold at fraction (0 < fraction <= 1) of its total
+ *  memory (set_per_process_memory_fraction). Errors: SP_ERR_INVALID_ARGUMENT (bad fraction or
+ *  device). */
+sp_status sp_set_memory_fraction(int device, double fraction);
+
+/** Caps the physical memory device may hold at bytes; 0 removes the cap (device total). */
+sp_status sp_set_memory_limit(int device, uint64_t bytes);
+
+/** Writes the cap in force and the device's total memory (getMemoryFraction = limit/total). */
+sp_status sp_memory_limit_get(int device, uint64_t* limit_bytes, uint64_t* total_bytes);
+
+/** Retires completed cross-stream events of device (-1: every device), so that blocks freed
+ *  with other-stream uses become reusable. Allocation does this too when it needs memory. */
+sp_status sp_process_events(int device);
+
+/** Writes the size of the largest cached free block of device (cacheInfo; 0 if none). */
+sp_status sp_largest_free_block(int device, size_t* out);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Pools and routes                                                                           */
+
+/** Creates pool id on device with *opts (NULL: defaults) and use count 1, or adds one use to
+ *  an existing pool (opts is then ignored) - PyTorch's createOrIncrefPool. Writes the new use
+ *  count to *use_count (may be NULL). Errors: SP_ERR_INVALID_ARGUMENT (id {0,0}, device). */
+sp_status sp_pool_create_or_incref(int device, sp_pool_id id, const sp_pool_options* opts,
+                                   uint64_t* use_count);
+
+/** The pool called name (a non-empty UTF-8 string) on device: created with *opts (NULL:
+ *  defaults) and use count 1 if new, else given one more use. Writes its id to *out. */
+sp_status sp_pool_named(int device, const char* name, const sp_pool_options* opts,
+                        sp_pool_id* out);
+
+/** Drops one use of pool id (releasePool); writes the remaining count to *remaining (may be
+ *  NULL). At 0 the pool is freeable: its cached memory goes back on sp_empty_cache or under
+ *  memory pressure, and it is forgotten once empty. Errors: SP_ERR_UNKNOWN_POOL,
+ *  SP_ERR_INVALID_ARGUMENT (default pool), SP_ERR_INVALID_STATE (use count already 0). */
+sp_status sp_pool_release(int device, sp_pool_id id, uint64_t* remaining);
+
+/** Writes the use count of pool id (MemPool.use_count()). Errors: SP_ERR_UNKNOWN_POOL. */
+sp_status sp_pool_use_count(int device, sp_pool_id id, uint64_t* out);
+
+/** Replaces the options of pool id (setUseOnOOM, setNoSplit, limit). opts is required.
+ *  Errors: SP_ERR_UNKNOWN_POOL, SP_ERR_INVALID_ARGUMENT. */
+sp_status sp_pool_set_options(int device, sp_pool_id id, const sp_pool_options* opts);
+
+/** Returns the unused cached memory of pool id to the backend, even while it is in use
+ *  (emptyCache(mempool_id)). Errors: SP_ERR_UNKNOWN_POOL. */
+sp_status sp_pool_empty_cache(int device, sp_pool_id id);
+
+/** Allocates size bytes from pool id for use on stream, ignoring routes; *out as sp_alloc.
+ *  Errors: as sp_alloc, plus SP_ERR_UNKNOWN_POOL. */
+sp_status sp_pool_alloc(int device, sp_pool_id id, size_t size, uint64_t stream, void** out);
+
+/** Sends allocations on device that match (kind, arg) to pool id until
+ *  sp_end_allocate_to_pool (beginAllocateToPool). The pool gains one use (created if new).
+ *  Routes nest; the newest matching route wins. Errors: SP_ERR_INVALID_ARGUMENT (id {0,0},
+ *  unknown kind), SP_ERR_INVALID_STATE (a route to this pool is already active). */
+sp_status sp_begin_allocate_to_pool(int device, sp_pool_id id, sp_route_kind kind,
+                                    uint64_t arg);
+
+/** Removes the route to pool id (endAllocateToPool); the use count is unchanged (call
+ *  sp_pool_release for that). Errors: SP_ERR_INVALID_STATE (no route to id). */
+sp_status sp_end_allocate_to_pool(int device, sp_pool_id id);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Statistics and snapshots                                                                   */
+
+/** Writes the statistics of device (getDeviceStats). Peaks are exact while one (pool, stream)
+ *  is active, else an upper bound. */
+sp_status sp_memory_stats_get(int device, sp_memory_stats* out);
+
+/** Writes the statistics of pool id on device. Errors: SP_ERR_UNKNOWN_POOL. */
+sp_status sp_pool_stats_get(int device, sp_pool_id id, sp_memory_stats* out);
+
+/** Sets every peak of device (-1: every device) to its current value (resetPeakStats). */
+sp_status sp_reset_peak_stats(int device);
+
+/** Zeroes the totals and event counters of device (-1: every device). */
+sp_status sp_reset_accumulated_stats(int device);
+
+/** Writes a JSON snapshot of device (-1: every device) in the shape of PyTorch's
+ *  torch.cuda.memory._snapshot(): {"segments":[...], "device_traces":[[]...]}. *out_json
+ *  receives a NUL-terminated string owned by the caller (free with sp_string_free; NULL on
+ *  failure); *len its length without the NUL (may be NULL). device_traces are empty in this
+ *  version. */
+sp_status sp_snapshot_json(int device, char** out_json, size_t* len);
+
+/* ------------------------------------------------------------------------------------------ */
+/* CUDA-graph memory: checkpoint / restore, variant groups, arenas, live sets                 */
+/*                                                                                            */
+/* Handles (sp_checkpoint, sp_restore_delta, sp_variant_group) are owned by the caller and     */
+/* freed with their _free function; a freed, foreign or stale handle is SP_ERR_INVALID_ARGUMENT.*/
+/* A handle may be used from any thread but not concurrently with its own _free.              */
+
+/** A pool's state at one moment (segments, split topology, live set). Opaque. */
+typedef struct sp_checkpoint sp_checkpoint;
+/** What a restore did: allocations freed and allocations re-created. Opaque. */
+typedef struct sp_restore_delta sp_restore_delta;
+/** "Capture these N variants into one pool; only one runs at a time." Opaque. */
+typedef struct sp_variant_group sp_variant_group;
+
+/** Checkpoints pool id: O(1) per (pool, stream). *out receives a handle (NULL on failure).
+ *  Errors: SP_ERR_UNKNOWN_POOL, SP_ERR_INVALID_STATE (frees of the pool wait on cross-stream
+ *  events: call sp_pool_drain_pending_frees first). */
+sp_status sp_checkpoint_take(int device, sp_pool_id id, sp_checkpoint** out);
+
+/** Frees a checkpoint (NULL: SP_OK). Journaling for it stops. */
+sp_status sp_checkpoint_free(sp_checkpoint* cp);
+
+/** Returns pool id to checkpoint cp while keep_live[0..n_keep] stay live at their addresses;
+ *  costs what changed since the checkpoint. Allocations made since are freed (they must not be
+ *  freed again) and allocations of the checkpoint freed since are re-created (the caller owns
+ *  them); *delta_out (may be NULL) lists both. A transaction: on SP_ERR_INVALID_STATE (a
+ *  keep_live pointer the checkpoint lacks, a stale checkpoint, pending cross-stream frees)
+ *  nothing changed and the message names the blocks added and removed with their sizes. Also
+ *  SP_ERR_INVALID_ARGUMENT (checkpoint of another pool or device), SP_ERR_OUT_OF_MEMORY. */
+sp_status sp_checkpoint_restore(int device, sp_pool_id id, const sp_checkpoint* cp,
+                                void* const* keep_live, size_t n_keep,
+                                sp_restore_delta** delta_out);
+
+/** Number of allocations a restore freed (0 for an invalid handle). */
+size_t sp_delta_freed_count(const sp_restore_delta* d);
+/** Number of allocations a restore re-created (0 for an invalid handle). */
+size_t sp_delta_created_count(const sp_restore_delta* d);
+/** Entry i of the freed allocations. Errors: SP_ERR_INVALID_ARGUMENT (handle, index, NULL). */
+sp_status sp_delta_freed(const sp_restore_delta* d, size_t i, void** ptr, size_t* size);
+/** Entry i of the re-created allocations. Errors: as sp_delta_freed. */
+sp_status sp_delta_created(const sp_restore_delta* d, size_t i, void** ptr, size_t* size);
+/** Frees a delta (NULL: SP_OK). */
+sp_status sp_delta_free(sp_restore_delta* d);
+
+/** Starts a group of count mutually exclusive variants on pool id (created if new) and
+ *  checkpoints it. Errors: SP_ERR_INVALID_ARGUMENT (count 0), SP_ERR_INVALID_STATE. */
+sp_status sp_variant_group_create(int device, sp_pool_id id, size_t count,
+                                  sp_variant_group** out);
+/** Begins variant k: the pool returns to the group's checkpoint, so k reuses the addresses of
+ *  every other variant. *delta_out (may be NULL) lists what earlier variants left live (now
+ *  freed). Errors: SP_ERR_INVALID_ARGUMENT (k >= count), SP_ERR_INVALID_STATE (a variant is
+ *  active). */
+sp_status sp_variant_begin(const sp_variant_group* g, size_t k, sp_restore_delta** delta_out);
+/** Ends the active variant. Errors: SP_ERR_INVALID_STATE (none active). */
+sp_status sp_variant_end(const sp_variant_group* g);
+/** Frees a variant group (NULL: SP_OK); the pool and its memory stay. */
+sp_status sp_variant_group_free(sp_variant_group* g);
+
+/** Creates a slot-aliased arena in pool id (created if new) for work on stream; *out receives
+ *  its id. */
+sp_status sp_arena_create(int device, sp_pool_id id, uint64_t stream, uint64_t* out);
+/** Allocates slot `slot` of branch `branch`: slot s has the same address in every branch.
+ *  Errors: SP_ERR_INVALID_STATE (already live; in debug mode, overlap with another branch's
+ *  live slot), SP_ERR_OUT_OF_MEMORY, SP_ERR_INVALID_ARGUMENT (unknown arena, size). */
+sp_status sp_arena_alloc(int device, uint64_t arena, uint32_t branch, uint32_t slot, size_t size,
+                         void** out);
+/** Frees slot `slot` of branch `branch`. Errors: SP_ERR_INVALID_STATE (not live). */
+sp_status sp_arena_free(int device, uint64_t arena, uint32_t branch, uint32_t slot);
+/** Turns the overlap check of an arena on (non-zero) or off. */
+sp_status sp_arena_set_debug(int device, uint64_t arena, int on);
+/** Destroys an arena; its pages return. Errors: SP_ERR_INVALID_STATE (live slots). */
+sp_status sp_arena_destroy(int device, uint64_t arena);
+
+/** SP_OK iff the live allocations of pool id are exactly ptrs[0..n] (checkPoolLiveAllocations);
+ *  else SP_ERR_INVALID_STATE with the difference in the message. */
+sp_status sp_pool_verify_live(int device, sp_pool_id id, void* const* ptrs, size_t n);
+/** Writes the number of live allocations of pool id. */
+sp_status sp_pool_live_count(int device, sp_pool_id id, size_t* out);
+/** Waits for the cross-stream events of pool id's pending frees (not during a capture);
+ *  *left (may be NULL) receives the frees still pending. */
+sp_status sp_pool_drain_pending_frees(int device, sp_pool_id id, size_t* left);
+/** Checks every invariant of device's allocator: SP_ERR_INVALID_STATE names the first broken
+ *  one. O(blocks); meant for tests. */
+sp_status sp_check_invariants(int device);
+
+/* ------------------------------------------------------------------------------------------ */
+/* torch.cuda.memory.CUDAPluggableAllocator                                                   */
+
+/** Alloc function for CUDAPluggableAllocator(path, "sp_torch_malloc", "sp_torch_free"):
+ *  size bytes on device for stream (a cudaStream_t). Returns NULL for size 0 and on any error;
+ *  the reason is in sp_last_error_message() and, with SLOTPOOL_LOG set, in the log. */
+void* sp_torch_malloc(ssize_t size, int device, void* stream);
+
+/** Free function for CUDAPluggableAllocator. size, device and stream are not needed and
+ *  ignored; NULL is ignored; errors are logged and set sp_last_error_message(). */
+void sp_torch_free(void* ptr, ssize_t size, int device, void* stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* SLOTPOOL_H */
