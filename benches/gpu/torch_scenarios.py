@@ -1,0 +1,906 @@
+#!/usr/bin/env python3
+"""slotpool beneath PyTorch on the GPU machine (H200, PyTorch 2.11, CUDA 13): scenarios.
+
+usage: torch_scenarios.py [SCENARIO ...]     run these (default: all, in the order below)
+       torch_scenarios.py --list
+       torch_scenarios.py --child NAME ALLOC [ARG]   (internal: one measurement in this process)
+
+Scenarios (each runs its measurements as separate subprocesses, native and slotpool, and prints
+one JSON line {"scenario": ..., "ok": ..., ...}; a failure is reported, never fatal):
+  build      build/load the extension (torch.utils.cpp_extension; cached) and check it loads
+             without initialising CUDA
+  api        PyTorch API checks (memory_stats keys, reset_peak_memory_stats, MemPool/use_mem_pool,
+             record_stream, _snapshot, OutOfMemoryError, torch.cuda.graph + reset, graphed
+             callables, torch.compile reduce-overhead, cudnn benchmark) under native (control) and
+             slotpool, plus slotpool's own API (named pools, checkpoint/restore, arenas, variants)
+  parity     gpt2_train (trace_workloads.py): same seed, losses equal under slotpool and native;
+             step time and peak reserved
+  variants   dynamic-CP variants (graph_variants.py): capture growth of a slotpool variant group
+             vs the largest variant alone; replay outputs equal eager in several replay orders
+  seed       seed_shared_pools.py: per-layer graphs, and one shared capture into a named pool
+  retention  after graph reset and pool release, empty_cache returns reserved to the
+             pre-capture level (within 2 MiB)
+  host_cost  torch.empty + del host time, slotpool vs native
+
+Environment: OUT (results go to $OUT/torch_scenarios.json, merged across runs), SLOTPOOL_LIB
+(libslotpool.so; default target/release), SLOTPOOL_TORCH_BUILD_DIR, CHILD_TIMEOUT (s, default
+540), VARIANT_DIM / VARIANT_SEQ (variants), SEED_LAYERS (seed), HOST_ITERS (host_cost).
+Each scenario fits in one 10-minute call; run them in several calls if needed.
+"""
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PLUGIN = os.path.join(REPO, "torch_plugin")
+MiB = 1 << 20
+SCENARIOS = ("build", "api", "parity", "variants", "seed", "retention", "host_cost")
+
+
+def err_str(e):
+    return (type(e).__name__ + ": " + str(e)).strip()[:2000]
+
+
+# =================================================================================================
+# Child side: one measurement, one JSON line on stdout.
+
+def child_setup(alloc):
+    if alloc == "slotpool":
+        sys.path.insert(0, PLUGIN)
+        import slotpool_torch
+        slotpool_torch.install(conf=os.environ.get("SLOTPOOL_TORCH_CONF"))
+        return slotpool_torch
+    return None
+
+
+def c_build(alloc, arg):
+    import torch
+    sys.path.insert(0, PLUGIN)
+    import slotpool_torch
+    t = time.time()
+    ext = slotpool_torch.load(verbose=True)
+    res = {"seconds": round(time.time() - t, 1), "built_for": ext.built_for_torch(),
+           "torch": torch.__version__, "headers": ext.headers_version(),
+           "lib": slotpool_torch._loader.lib_path(), "slotpool_version": list(ext.slotpool_version()),
+           "header_version": list(ext.header_version()),
+           "features": {f: ext.has_feature(f) for f in ("cuda", "vmm", "checkpoint", "variant_groups", "arenas")},
+           "cuda_initialized_after_load": torch.cuda.is_initialized()}
+    res["ok"] = not res["cuda_initialized_after_load"]
+    return res
+
+
+def run_checks(checks):
+    out = {}
+    for name, fn in checks:
+        try:
+            v = fn()
+            if v is None or v is True:
+                out[name] = "ok"
+            elif v is False:
+                out[name] = "FAIL: returned False"
+            else:
+                out[name] = "FAIL: " + str(v)
+        except Exception as e:  # noqa: BLE001 - each check reports its own failure
+            out[name] = "FAIL: " + err_str(e)
+        print(f"  {name}: {out[name][:200]}", file=sys.stderr, flush=True)
+    return out
+
+
+def c_api(alloc, arg):
+    sp = child_setup(alloc)
+    import torch
+    dev = "cuda"
+    slot = sp is not None
+    keep = {}
+
+    def backend():
+        b = torch.cuda.memory.get_allocator_backend()
+        want = "slotpool" if slot else "native"
+        assert b == want, f"backend {b!r}, want {want!r}"
+
+    def alloc_basic():
+        a0 = torch.cuda.memory_allocated()
+        x = torch.randn(1 << 20, device=dev)
+        a1 = torch.cuda.memory_allocated()
+        assert a1 - a0 >= 4 * MiB, f"allocated grew by {a1 - a0}"
+        keep["x"] = x
+        del x
+        return True
+
+    def registry():
+        if not slot:
+            return True
+        assert sp.load().registry_is_ours(), "c10::GetAllocator(kCUDA) is not slotpool"
+
+    def stats_keys():
+        st = torch.cuda.memory_stats()
+        keep["keys"] = sorted(st.keys())
+        for k in ("allocated_bytes.all.current", "reserved_bytes.all.peak", "requested_bytes.all.current",
+                  "active_bytes.large_pool.current", "segment.small_pool.current", "num_alloc_retries",
+                  "num_ooms", "max_split_size", "num_device_alloc", "oversize_allocations.current"):
+            assert k in st, f"missing {k}"
+        assert st["allocated_bytes.all.current"] == torch.cuda.memory_allocated()
+
+    def size0():
+        a = torch.empty(0, device=dev)
+        b = torch.empty(0, device=dev)
+        c = torch.empty((0, 7), device=dev, dtype=torch.float16)
+        assert a.data_ptr() == 0 and b.data_ptr() == 0, (a.data_ptr(), b.data_ptr())
+        del a, b, c
+
+    def reset_peak():
+        y = torch.empty(32 * MiB, dtype=torch.uint8, device=dev)
+        del y
+        torch.cuda.reset_peak_memory_stats()
+        assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+        torch.cuda.reset_accumulated_memory_stats()
+        st = torch.cuda.memory_stats()
+        assert st["allocation.all.allocated"] == 0, st["allocation.all.allocated"]
+
+    def summary():
+        assert len(torch.cuda.memory_summary()) > 100
+
+    def empty_cache():
+        y = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
+        r1 = torch.cuda.memory_reserved()
+        del y
+        torch.cuda.empty_cache()
+        r2 = torch.cuda.memory_reserved()
+        assert r2 <= r1 - 60 * MiB, f"reserved {r1} -> {r2}"
+
+    def raw_alloc():
+        p = torch.cuda.caching_allocator_alloc(1 << 20)
+        assert p != 0
+        torch.cuda.caching_allocator_delete(p)
+
+    def mempool():
+        p = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(p):
+            t = torch.empty(1 << 20, device=dev)
+        u = torch.empty(1 << 20, device=dev)
+        assert p.use_count() == 1, p.use_count()
+        segs = torch.cuda.memory_snapshot(p.id)
+        addrs = {s["address"] for s in segs}
+        inside = any(s["address"] <= t.data_ptr() < s["address"] + s["total_size"] for s in segs)
+        assert inside, f"tensor {t.data_ptr():#x} not in pool segments {sorted(addrs)}"
+        outside = any(s["address"] <= u.data_ptr() < s["address"] + s["total_size"] for s in segs)
+        assert not outside, "an allocation outside use_mem_pool went to the pool"
+        del t, u, p
+        gc.collect()
+
+    def mempool_options():
+        p1 = torch.cuda.MemPool(use_on_oom=True)
+        p2 = torch.cuda.MemPool(no_split=True)
+        with torch.cuda.use_mem_pool(p2):
+            t = torch.empty(3 * MiB, dtype=torch.uint8, device=dev)
+        del t, p1, p2
+        gc.collect()
+
+    def record_stream():
+        s = torch.cuda.Stream()
+        t = torch.empty(1000, device=dev)
+        with torch.cuda.stream(s):
+            t.add_(1)
+        t.record_stream(s)
+        del t
+        torch.cuda.synchronize()
+
+    def snapshot():
+        t = torch.empty(5 * MiB, dtype=torch.uint8, device=dev)
+        s = torch.cuda.memory._snapshot()
+        assert s["segments"], "no segments"
+        assert isinstance(s["device_traces"], list) and len(s["device_traces"]) >= 1
+        states = {b["state"] for seg in s["segments"] for b in seg["blocks"]}
+        assert states <= {"active_allocated", "active_pending_free", "inactive"}, states
+        found = False
+        for seg in s["segments"]:
+            a = seg["address"]
+            for b in seg["blocks"]:
+                if a == t.data_ptr() and b["state"] == "active_allocated":
+                    found = True
+                a += b["size"]
+        assert found, "the live tensor is not an active_allocated block in _snapshot()"
+        torch.cuda.memory_snapshot()
+        del t
+
+    def record_history():
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        torch.empty(10, device=dev)
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    def oom():
+        seen = []
+        torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(a))
+        n0 = torch.cuda.memory_stats().get("num_ooms", 0)
+        try:
+            torch.empty(1 << 50, dtype=torch.uint8, device=dev)
+        except torch.OutOfMemoryError as e:
+            msg = str(e)
+        else:
+            return "no exception"
+        assert "out of memory" in msg.lower(), msg[:200]
+        assert seen, "OOM observer not called"
+        n1 = torch.cuda.memory_stats().get("num_ooms", 0)
+        assert n1 >= n0 + 1, f"num_ooms {n0} -> {n1}"
+        z = torch.empty(1 << 20, device=dev)  # still usable
+        del z
+
+    def graph():
+        x = torch.randn(1 << 20, device=dev)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            y = x * 2 + 1
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            y = x * 2 + 1
+            w = torch.empty(3 * MiB, dtype=torch.uint8, device=dev)
+            del w
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(y, x * 2 + 1)
+        g.reset()
+
+    def graph_side_stream():
+        # allocations on a forked stream during capture: routed by the capture filter
+        x = torch.randn(1 << 20, device=dev)
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        with torch.cuda.graph(g):
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                z = x + 1
+            cur.wait_stream(side)
+            y = z * 3
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(y, (x + 1) * 3)
+        pool = g.pool()
+        segs = torch.cuda.memory_snapshot(pool)
+        inside = any(s["address"] <= z.data_ptr() < s["address"] + s["total_size"] for s in segs)
+        assert inside, "side-stream allocation during capture is not in the graph's pool"
+        del z, y
+        g.reset()
+
+    def graph_shared_pool():
+        x = torch.randn(1 << 16, device=dev)
+        pool = torch.cuda.graph_pool_handle()
+        gs = []
+        for k in range(3):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                y = x * (k + 2)
+            gs.append((g, y, k))
+        for g, y, k in gs:
+            g.replay()
+        torch.cuda.synchronize()
+        assert all(torch.allclose(y, x * (k + 2)) for _, y, k in gs)
+        for g, _, _ in gs:
+            g.reset()
+
+    def graphed_callables():
+        torch.manual_seed(0)
+        lin = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(dev)
+        inp = torch.randn(64, 256, device=dev, requires_grad=True)
+        gl = torch.cuda.make_graphed_callables(lin, (inp,))
+        x = torch.randn(64, 256, device=dev, requires_grad=True)
+        out = gl(x)
+        out.sum().backward()
+        gx = x.grad.clone()
+        x2 = x.detach().clone().requires_grad_()
+        ref = lin(x2)
+        ref.sum().backward()
+        torch.cuda.synchronize()
+        assert torch.allclose(out, ref, atol=1e-4), (out - ref).abs().max().item()
+        assert torch.allclose(gx, x2.grad, atol=1e-4)
+
+    def compile_ro():
+        import torch._inductor.config as icfg
+        icfg.triton.slow_path_cudagraph_asserts = True
+
+        def fn(a):
+            return (a * 2).sin() + a.cos() * 3
+
+        f = torch.compile(fn, mode="reduce-overhead", dynamic=False)
+        xs = {n: torch.randn(n, device=dev) for n in (4096, 8192)}
+        for n in (4096, 4096, 4096, 8192, 8192, 8192, 4096, 8192, 4096):
+            r = f(xs[n])
+            assert torch.allclose(r, fn(xs[n]), atol=1e-5), n
+        torch.cuda.synchronize()
+
+    def cudnn_bench():
+        torch.backends.cudnn.benchmark = True
+        conv = torch.nn.Conv2d(16, 32, 3).to(dev)
+        y = conv(torch.randn(8, 16, 64, 64, device=dev))
+        torch.cuda.synchronize()
+        torch.backends.cudnn.benchmark = False
+        assert y.shape == (8, 32, 62, 62)
+
+    def fraction():
+        torch.cuda.set_per_process_memory_fraction(0.9)
+        if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+            f = torch.cuda.get_per_process_memory_fraction()
+            assert abs(f - 0.9) < 1e-3, f
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+    def mem_get_info():
+        free, total = torch.cuda.mem_get_info()
+        assert 0 < free <= total
+
+    # ---- slotpool's own API ----
+    def sp_named_pool():
+        if not slot:
+            return True
+        pid = sp.named_pool("api.named")
+        assert pid[0] == 0 and pid[1] >= (1 << 63), pid
+        assert sp.named_pool("api.named") == pid
+        with sp.use_pool(pid):
+            t = torch.empty(2 * MiB, dtype=torch.uint8, device=dev)
+        st = sp.pool_stats(pid)
+        assert st["allocated_bytes.all.current"] >= 2 * MiB, st["allocated_bytes.all.current"]
+        del t
+        assert sp.release_pool(pid) == 1
+        assert sp.release_pool(pid) == 0
+
+    def sp_checkpoint_restore():
+        if not slot:
+            return True
+        pid = sp.named_pool("api.ckpt")
+        with sp.use_pool(pid):
+            a = torch.empty(1 << 20, device=dev)
+        cp = sp.checkpoint(pid)
+        with sp.use_pool(pid):
+            b = torch.empty(1 << 20, device=dev)
+            c = torch.empty(3 << 20, device=dev)
+        b_ptr = b.data_ptr()
+        o0 = sp.orphan_count()
+        r = sp.restore(pid, cp, keep_tensors=[a])
+        freed = {p for p, _ in r.freed}
+        assert b_ptr in freed and c.data_ptr() in freed, (freed, b_ptr)
+        assert sp.orphan_count() == o0 + 2, sp.orphan_count()
+        ok, why = sp.verify_live(pid, [a])
+        assert ok, why
+        del b, c  # stale owners: their frees are absorbed
+        assert sp.orphan_count() == o0, sp.orphan_count()
+        # torch's own checkpoint API on the same pool
+        st = torch._C._cuda_getCheckpointState(torch.cuda.current_device(), pid)
+        with sp.use_pool(pid):
+            d = torch.empty(1 << 20, device=dev)
+        dptr = d.untyped_storage()._cdata
+        torch._C._cuda_setCheckpointPoolState(torch.cuda.current_device(), st, [dptr], [])
+        assert torch._C._cuda_checkPoolLiveAllocations(torch.cuda.current_device(), pid, {a.data_ptr()})
+        del d, a, cp, st
+        gc.collect()
+        sp.release_pool(pid)
+
+    def sp_arena():
+        if not slot:
+            return True
+        pid = sp.named_pool("api.arena")
+        with sp.Arena(pid) as ar:
+            t0 = ar.empty(0, 0, (1024,), torch.float32)
+            t1 = ar.empty(1, 0, (2048,), torch.float32)
+            u0 = ar.empty(0, 1, (512,), torch.float32)
+            assert t0.data_ptr() == t1.data_ptr(), "slot 0 of two branches differs"
+            assert u0.data_ptr() != t0.data_ptr(), "two slots share an address"
+            t0.fill_(1.0)
+            u0.fill_(2.0)
+            torch.cuda.synchronize()
+            assert float(u0.sum()) == 1024.0
+            del t0, t1, u0
+        sp.release_pool(pid)
+
+    def sp_variants_small():
+        if not slot:
+            return True
+        # the larger variant first: the smaller one must fit in the memory it left
+        xs = [torch.randn(n, device=dev) for n in (1 << 21, 1 << 19)]
+        reserved = []
+        with sp.variant_group(None, 2) as grp:
+            graphs = []
+            for k, x in enumerate(xs):
+                with grp.variant(k):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=grp.pool):
+                        tmp = x.sin()
+                        y = tmp * 2
+                        del tmp
+                    graphs.append((g, y))
+                reserved.append(sp.pool_stats(grp.pool)["reserved_bytes.all.current"])
+        assert reserved[1] <= reserved[0], f"pool grew for the smaller variant: {reserved}"
+        for order in ([0, 1], [1, 0], [1, 1, 0]):
+            for k in order:
+                g, y = graphs[k]
+                g.replay()
+                torch.cuda.synchronize()
+                assert torch.allclose(y, xs[k].sin() * 2), (order, k)
+        for g, _ in graphs:
+            g.reset()
+        del graphs
+        gc.collect()
+
+    checks = [("backend", backend), ("alloc_basic", alloc_basic), ("registry", registry),
+              ("memory_stats_keys", stats_keys), ("size0", size0), ("reset_peak", reset_peak),
+              ("memory_summary", summary), ("empty_cache", empty_cache), ("raw_alloc", raw_alloc),
+              ("mempool", mempool), ("mempool_options", mempool_options), ("record_stream", record_stream),
+              ("snapshot", snapshot), ("record_history", record_history), ("oom", oom), ("graph", graph),
+              ("graph_side_stream", graph_side_stream), ("graph_shared_pool", graph_shared_pool),
+              ("graphed_callables", graphed_callables), ("cudnn_benchmark", cudnn_bench),
+              ("memory_fraction", fraction), ("mem_get_info", mem_get_info),
+              ("sp_named_pool", sp_named_pool), ("sp_checkpoint_restore", sp_checkpoint_restore),
+              ("sp_arena", sp_arena), ("sp_variants_small", sp_variants_small),
+              ("compile_reduce_overhead", compile_ro)]
+    res = {"checks": run_checks(checks), "memory_stats_keys": keep.get("keys", [])}
+    res["ok"] = all(v == "ok" for v in res["checks"].values())
+    return res
+
+
+def c_parity(alloc, arg):
+    child_setup(alloc)
+    import random
+    import torch
+    sys.path.insert(0, HERE)
+    from trace_workloads import build_workload
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(0)
+    random.seed(0)
+    torch.empty(1, device="cuda")
+    step, n = build_workload("gpt2_train", "cuda")
+    losses, times = [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        losses.append(float(loss))
+    st = torch.cuda.memory_stats()
+    return {"losses": losses, "loss_hex": [float.hex(v) for v in losses], "step_s": times,
+            "median_step_s": sorted(times)[len(times) // 2],
+            "peak_reserved": st["reserved_bytes.all.peak"], "peak_allocated": st["allocated_bytes.all.peak"],
+            "num_device_alloc": st.get("num_device_alloc"), "ok": True}
+
+
+def c_variants(alloc, mode):
+    sp = child_setup(alloc)
+    import torch
+    dev = "cuda"
+    D = int(os.environ.get("VARIANT_DIM", "4096"))
+    S = int(os.environ.get("VARIANT_SEQ", "8192"))
+    H = max(1, D // 128)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(D, H, 4 * D, dropout=0.0, device=dev, dtype=torch.bfloat16)
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    seqs = [S // cp for cp in (1, 2, 4, 8)]
+    idx = list(range(len(seqs)))
+    if mode.startswith("single:"):
+        idx = [int(mode.split(":")[1])]
+    gen = torch.Generator(device=dev).manual_seed(1)
+    inputs = {k: torch.randn(seqs[k], 1, D, device=dev, dtype=torch.bfloat16, generator=gen) for k in range(len(seqs))}
+    # eager references (output and input gradient) per variant
+    refs = {}
+    for k in idx:
+        xe = inputs[k].clone().requires_grad_()
+        y = layer(xe)
+        y.float().sum().backward()
+        refs[k] = (y.detach().float().cpu(), xe.grad.float().cpu())
+        del xe, y
+    layer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    r0, a0 = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    graphed = {}
+    t = time.time()
+    if mode == "group":
+        assert sp is not None, "group needs slotpool"
+        with sp.variant_group(None, len(seqs)) as grp:
+            for k in idx:
+                sample = inputs[k].clone().requires_grad_()
+                with grp.variant(k):
+                    graphed[k] = torch.cuda.make_graphed_callables(Wrap(layer), (sample,), num_warmup_iters=3, pool=grp.pool)
+    else:
+        pool = torch.cuda.graph_pool_handle() if mode == "shared" else None
+        for k in idx:
+            sample = inputs[k].clone().requires_grad_()
+            kw = {"pool": pool} if pool is not None else {}
+            graphed[k] = torch.cuda.make_graphed_callables(Wrap(layer), (sample,), num_warmup_iters=3, **kw)
+    torch.cuda.synchronize()
+    capture_s = time.time() - t
+    r1_cached = torch.cuda.memory_reserved()
+    peak = torch.cuda.max_memory_reserved()
+    # Graph pools are in use and stay; what the warm-ups left cached in the default pool goes.
+    gc.collect()
+    torch.cuda.empty_cache()
+    r1, a1 = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    orders = [idx] if len(idx) == 1 else [[0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2], [2, 2, 0, 3, 1]]
+    replays = []
+    worst_out, worst_grad = 0.0, 0.0
+    all_close = True
+    for order in orders:
+        for k in order:
+            x = inputs[k].clone().requires_grad_()
+            y = graphed[k](x)
+            y.float().sum().backward()
+            torch.cuda.synchronize()
+            out = y.detach().float().cpu()
+            grad = x.grad.float().cpu()
+            d_out = (out - refs[k][0]).abs().max().item()
+            d_grad = (grad - refs[k][1]).abs().max().item()
+            close = bool(torch.allclose(out, refs[k][0], atol=3e-2, rtol=3e-2)
+                         and torch.allclose(grad, refs[k][1], atol=3e-2, rtol=3e-2)
+                         and math.isfinite(d_out) and math.isfinite(d_grad))
+            all_close &= close
+            worst_out, worst_grad = max(worst_out, d_out), max(worst_grad, d_grad)
+            replays.append({"order": order, "k": k, "max_abs_out": d_out, "max_abs_grad": d_grad, "close": close})
+            del x, y
+    return {"mode": mode, "seqs": [seqs[k] for k in idx], "dim": D, "reserved_growth": r1 - r0,
+            "allocated_growth": a1 - a0, "reserved_growth_with_cache": r1_cached - r0,
+            "peak_reserved_during_capture": peak, "capture_s": round(capture_s, 2),
+            "replays_close": all_close, "worst_out_diff": worst_out, "worst_grad_diff": worst_grad,
+            "replays": replays, "ok": True}
+
+
+def c_seed(alloc, mode):
+    sp = child_setup(alloc)
+    import torch
+    L = int(os.environ.get("SEED_LAYERS", "12"))
+    dev, dt = "cuda", torch.bfloat16
+    D, H, E, S, B = 2048, 16, 4, 2048, 2
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = torch.nn.LayerNorm(D, device=dev, dtype=dt)
+            self.attn = torch.nn.MultiheadAttention(D, H, batch_first=True, device=dev, dtype=dt)
+            self.ln2 = torch.nn.LayerNorm(D, device=dev, dtype=dt)
+            self.gate = torch.nn.Linear(D, E, device=dev, dtype=dt)
+            self.w1 = torch.nn.Parameter(torch.randn(E, D, 2 * D, device=dev, dtype=dt) * 0.02)
+            self.w2 = torch.nn.Parameter(torch.randn(E, 2 * D, D, device=dev, dtype=dt) * 0.02)
+
+        def forward(self, x):
+            h = self.ln1(x)
+            x = x + self.attn(h, h, h, need_weights=False)[0]
+            h = self.ln2(x)
+            g = torch.softmax(self.gate(h).float(), -1).to(dt)
+            y = torch.einsum("bsd,edf->bsef", h, self.w1).relu()
+            y = torch.einsum("bsef,efd->bsed", y, self.w2)
+            return x + (y * g.unsqueeze(-1)).sum(2)
+
+    torch.manual_seed(0)
+    layers = [Layer() for _ in range(L)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    r0 = torch.cuda.memory_reserved()
+    args = [(torch.randn(B, S, D, device=dev, dtype=dt, requires_grad=True),) for _ in range(L)]
+    t = time.time()
+    err = None
+    y_sum = None
+    try:
+        if mode == "per_entry":
+            g = [torch.cuda.make_graphed_callables(lay, a) for lay, a in zip(layers, args)]
+        elif mode == "shared":
+            g = list(torch.cuda.make_graphed_callables(tuple(layers), tuple(args)))
+        elif mode == "shared_named":
+            assert sp is not None, "shared_named needs slotpool"
+            pool = sp.named_pool("seed_shared")
+            g = list(torch.cuda.make_graphed_callables(tuple(layers), tuple(args), pool=pool))
+        else:
+            g = layers
+        x = torch.randn(B, S, D, device=dev, dtype=dt, requires_grad=True)
+        y = x
+        for f in g:
+            y = f(y)
+        y.float().sum().backward()
+        torch.cuda.synchronize()
+        y_sum = float(y.float().sum())
+    except torch.OutOfMemoryError as e:
+        err = "OOM: " + str(e).splitlines()[0][:160]
+    return {"mode": mode, "layers": L, "capture_s": round(time.time() - t, 2),
+            "peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved(),
+            "reserved_growth": torch.cuda.memory_reserved() - r0, "error": err, "y_sum": y_sum,
+            "ok": err is None and y_sum is not None and math.isfinite(y_sum)}
+
+
+def c_retention(alloc, arg):
+    sp = child_setup(alloc)
+    import torch
+    dev = "cuda"
+    x = torch.randn(1 << 20, device=dev)
+    side = torch.cuda.Stream()
+
+    def settle():
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
+    def plain(pool=None):
+        g = torch.cuda.CUDAGraph()
+        kw = {"pool": pool} if pool is not None else {}
+        with torch.cuda.graph(g, stream=side, **kw):
+            ys = [x * i for i in range(8)]
+            big = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
+            big.fill_(1)
+            mid = torch.empty(5 * MiB, dtype=torch.uint8, device=dev)
+            del mid
+        g.replay()
+        torch.cuda.synchronize()
+        del ys, big
+        g.reset()
+        del g
+
+    class Elementwise(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(1 << 20, device=dev))
+
+        def forward(self, a):
+            return (a * self.w).sin() * 2 + a
+
+    def graphed():
+        m = Elementwise()
+        a = torch.randn(1 << 20, device=dev, requires_grad=True)
+        f = torch.cuda.make_graphed_callables(m, (a,))
+        out = f(torch.randn(1 << 20, device=dev, requires_grad=True))
+        out.sum().backward()
+        torch.cuda.synchronize()
+        del out, f, m, a
+
+    def named():
+        if sp is None:
+            return
+        pid = sp.named_pool("retention")
+        plain(pid)
+        sp.release_pool(pid)
+
+    def mempool():
+        p = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(p):
+            t = torch.empty(32 * MiB, dtype=torch.uint8, device=dev)
+        del t, p
+
+    res = {}
+    for name, fn in (("graph", plain), ("graphed_callables", graphed), ("named_pool", named), ("mempool", mempool)):
+        if name == "named_pool" and sp is None:
+            continue
+        try:
+            fn()  # warm-up pass: lazily created workspaces and streams are not retention
+            settle()
+            r0 = settle()
+            fn()
+            r1 = settle()
+            res[name] = {"before": r0, "after": r1, "diff": r1 - r0, "ok": r1 - r0 <= 2 * MiB}
+        except Exception as e:  # noqa: BLE001
+            res[name] = {"ok": False, "error": err_str(e)}
+    return {"cases": res, "ok": all(v.get("ok") for v in res.values())}
+
+
+def c_host_cost(alloc, arg):
+    child_setup(alloc)
+    import torch
+    iters = int(os.environ.get("HOST_ITERS", "100000"))
+    torch.empty(1, device="cuda")
+    out = {}
+    for size, n in ((4096, iters), (1 << 20, iters // 5), (32 << 20, iters // 20)):
+        for _ in range(1000):
+            z = torch.empty(size, dtype=torch.uint8, device="cuda")
+            del z
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            z = torch.empty(size, dtype=torch.uint8, device="cuda")
+            del z
+        out[str(size)] = (time.perf_counter() - t) / n * 1e9
+    return {"ns_per_empty_del": out, "ok": True}
+
+
+CHILDREN = {"build": c_build, "api": c_api, "parity": c_parity, "variants": c_variants, "seed": c_seed,
+            "retention": c_retention, "host_cost": c_host_cost}
+
+
+def child_main(name, alloc, arg):
+    try:
+        res = CHILDREN[name](alloc, arg)
+    except Exception as e:  # noqa: BLE001
+        res = {"ok": False, "error": err_str(e), "traceback": traceback.format_exc()[-3000:]}
+    res = {"child": name, "alloc": alloc, "arg": arg, **res}
+    sys.stdout.flush()
+    print(json.dumps(res, default=str), flush=True)
+
+
+# =================================================================================================
+# Parent side: scenarios.
+
+def run_child(name, alloc, arg="", extra_env=None):
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if extra_env:
+        env.update(extra_env)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, alloc, arg]
+    timeout = int(os.environ.get("CHILD_TIMEOUT", "540"))
+    t = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-1500:] if isinstance(e.stderr, bytes) else (e.stderr or "")[-1500:]
+        return {"child": name, "alloc": alloc, "arg": arg, "ok": False,
+                "error": f"timeout after {timeout}s", "stderr_tail": str(tail)}
+    wall = round(time.time() - t, 1)
+    for line in reversed(p.stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                res = json.loads(line)
+            except ValueError:
+                continue
+            res["wall_s"] = wall
+            if not res.get("ok", False):
+                res["stderr_tail"] = p.stderr[-2000:]
+                res["stdout_tail"] = "\n".join(l for l in p.stdout.splitlines() if l.strip() != line)[-2000:]
+            return res
+    return {"child": name, "alloc": alloc, "arg": arg, "ok": False, "wall_s": wall,
+            "error": f"no result (exit code {p.returncode})", "stderr_tail": p.stderr[-2500:],
+            "stdout_tail": p.stdout[-500:]}
+
+
+def s_build():
+    r = run_child("build", "slotpool")
+    return {"ok": bool(r.get("ok")), "result": r}
+
+
+def s_api():
+    native = run_child("api", "native")
+    slot = run_child("api", "slotpool")
+    nk, sk = set(native.get("memory_stats_keys", [])), set(slot.get("memory_stats_keys", []))
+    checks = slot.get("checks", {})
+    native_checks = native.get("checks", {})
+    # A PyTorch check counts if it passes under native (the control); slotpool's own always count.
+    failing = {k: v for k, v in checks.items()
+               if v != "ok" and (k.startswith("sp_") or native_checks.get(k) == "ok")}
+    return {"ok": bool(checks) and not failing and not (nk - sk),
+            "failing": failing, "missing_stats_keys": sorted(nk - sk), "extra_stats_keys": sorted(sk - nk),
+            "slotpool_checks": checks, "native_checks": native_checks,
+            "errors": {k: r.get("error") for k, r in (("native", native), ("slotpool", slot)) if r.get("error")}}
+
+
+def s_parity():
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    n1 = run_child("parity", "native", extra_env=env)
+    s1 = run_child("parity", "slotpool", extra_env=env)
+    n2 = run_child("parity", "native", extra_env=env)
+    ln, ls, ln2 = n1.get("losses"), s1.get("losses"), n2.get("losses")
+    res = {"native": n1, "slotpool": s1, "native_again": {"losses": ln2, "error": n2.get("error")}}
+    if not (ln and ls):
+        res["ok"] = False
+        res["error"] = "a run failed"
+        return res
+    exact = ln == ls
+    native_deterministic = ln == ln2
+    diff = max(abs(a - b) for a, b in zip(ln, ls))
+    noise = max((abs(a - b) for a, b in zip(ln, ln2)), default=0.0) if ln2 else None
+    res.update({"losses_equal": exact, "native_deterministic": native_deterministic, "max_loss_diff": diff,
+                "native_run_to_run_diff": noise,
+                "step_s_native": n1.get("median_step_s"), "step_s_slotpool": s1.get("median_step_s"),
+                "peak_reserved_native": n1.get("peak_reserved"), "peak_reserved_slotpool": s1.get("peak_reserved"),
+                "ok": exact or (not native_deterministic and noise is not None and diff <= max(noise * 2, 1e-3))})
+    return res
+
+
+def s_variants():
+    runs = {}
+    for alloc, mode in (("native", "separate"), ("native", "shared"), ("native", "single:0"),
+                        ("slotpool", "group"), ("slotpool", "single:0")):
+        runs[f"{alloc}:{mode}"] = run_child("variants", alloc, mode)
+    g, one = runs["slotpool:group"], runs["slotpool:single:0"]
+    res = {"runs": {k: {kk: v.get(kk) for kk in ("reserved_growth", "allocated_growth", "capture_s",
+                                                  "replays_close", "worst_out_diff", "worst_grad_diff", "error")}
+                    for k, v in runs.items()},
+           "group_replays": g.get("replays")}
+    if "reserved_growth" not in g or "reserved_growth" not in one:
+        res["ok"] = False
+        res["error"] = "a run failed"
+        return res
+    ratio = g["reserved_growth"] / max(1, one["reserved_growth"])
+    control = runs["native:separate"]
+    tol_ok = g.get("replays_close") or (
+        control.get("worst_out_diff") is not None
+        and g["worst_out_diff"] <= control["worst_out_diff"] * 1.01 + 1e-6
+        and g["worst_grad_diff"] <= control["worst_grad_diff"] * 1.01 + 1e-6)
+    res.update({"group_vs_largest_alone": ratio,
+                "group_growth": g["reserved_growth"], "largest_alone_growth": one["reserved_growth"],
+                "native_separate_growth": control.get("reserved_growth"),
+                "native_shared_growth": runs["native:shared"].get("reserved_growth"),
+                "replays_equal_eager": bool(tol_ok),
+                "ok": bool(tol_ok) and g["reserved_growth"] <= 1.10 * one["reserved_growth"] + 64 * MiB})
+    return res
+
+
+def s_seed():
+    runs = {}
+    for alloc, mode in (("native", "per_entry"), ("native", "shared"), ("slotpool", "per_entry"),
+                        ("slotpool", "shared_named")):
+        runs[f"{alloc}:{mode}"] = run_child("seed", alloc, mode)
+    sn, ns = runs["slotpool:shared_named"], runs["native:shared"]
+    res = {"runs": {k: {kk: v.get(kk) for kk in ("peak_allocated", "peak_reserved", "reserved_growth",
+                                                  "capture_s", "error", "y_sum")} for k, v in runs.items()}}
+    res["ok"] = bool(sn.get("ok")) and sn.get("peak_reserved") is not None and (
+        ns.get("peak_reserved") is None or sn["peak_reserved"] <= 1.10 * ns["peak_reserved"] + 256 * MiB)
+    return res
+
+
+def s_retention():
+    slot = run_child("retention", "slotpool")
+    native = run_child("retention", "native")
+    return {"ok": bool(slot.get("ok")), "slotpool": slot.get("cases", slot.get("error")),
+            "native": native.get("cases", native.get("error"))}
+
+
+def s_host_cost():
+    native = run_child("host_cost", "native")
+    slot = run_child("host_cost", "slotpool")
+    nn_, sn = native.get("ns_per_empty_del", {}), slot.get("ns_per_empty_del", {})
+    return {"ok": bool(slot.get("ok")) and bool(native.get("ok")), "native_ns": nn_, "slotpool_ns": sn,
+            "ratio": {k: sn[k] / nn_[k] for k in sn if k in nn_ and nn_[k]},
+            "errors": {k: r.get("error") for k, r in (("native", native), ("slotpool", slot)) if r.get("error")}}
+
+
+SCENARIO_FNS = {"build": s_build, "api": s_api, "parity": s_parity, "variants": s_variants, "seed": s_seed,
+                "retention": s_retention, "host_cost": s_host_cost}
+
+
+def main(argv):
+    if argv[:1] == ["--child"]:
+        child_main(argv[1], argv[2], argv[3] if len(argv) > 3 else "")
+        return 0
+    if argv[:1] == ["--list"]:
+        print("\n".join(SCENARIOS))
+        return 0
+    names = argv or list(SCENARIOS)
+    out_dir = os.environ.get("OUT", ".")
+    out_path = os.path.join(out_dir, "torch_scenarios.json")
+    try:
+        with open(out_path) as f:
+            results = json.load(f)
+    except (OSError, ValueError):
+        results = {}
+    for name in names:
+        t = time.time()
+        try:
+            if name not in SCENARIO_FNS:
+                raise ValueError(f"unknown scenario {name!r}; --list shows them")
+            rec = SCENARIO_FNS[name]()
+        except Exception as e:  # noqa: BLE001 - a scenario's failure is its result
+            rec = {"ok": False, "error": err_str(e), "traceback": traceback.format_exc()[-2000:]}
+        rec = {"scenario": name, "ok": bool(rec.pop("ok", False)), "seconds": round(time.time() - t, 1), **rec}
+        print(json.dumps(rec, default=str), flush=True)
+        results[name] = rec
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(out_path, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+        except OSError as e:
+            print(f"cannot write {out_path}: {e}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

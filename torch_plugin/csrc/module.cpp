@@ -1,0 +1,331 @@
+// Python bindings of the slotpool_torch extension (the `_C` of the Python package).
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "slotpool_allocator.h"
+
+namespace py = pybind11;
+namespace sp = slotpool_torch;
+
+namespace {
+
+using Pool = std::pair<uint64_t, uint64_t>;
+
+sp_pool_id pool_of(const Pool& p) {
+  return sp_pool_id{p.first, p.second};
+}
+
+sp::SlotpoolAllocator& alloc() {
+  sp::SlotpoolAllocator* a = sp::instance();
+  TORCH_CHECK(a != nullptr,
+              "slotpool_torch: the allocator is not installed; call slotpool_torch.install() "
+              "before CUDA is initialised");
+  a->ensure_initialized();
+  return *a;
+}
+
+py::list ptr_sizes(const std::vector<sp::PtrSize>& v) {
+  py::list out;
+  for (const auto& [p, s] : v) {
+    out.append(py::make_tuple(reinterpret_cast<uintptr_t>(p), s));
+  }
+  return out;
+}
+
+py::dict restore_dict(const sp::RestoreResult& r) {
+  py::dict d;
+  d["freed"] = ptr_sizes(r.freed);
+  d["created"] = ptr_sizes(r.created);
+  return d;
+}
+
+// torch.cuda.memory_stats()'s flat keys ("allocated_bytes.all.current", ...) for an sp_memory_stats.
+py::dict flat_stats(const sp_memory_stats& s) {
+  py::dict d;
+  auto stat = [&](const std::string& name, const sp_stat& st) {
+    d[py::str(name + ".current")] = st.current;
+    d[py::str(name + ".peak")] = st.peak;
+    d[py::str(name + ".allocated")] = st.allocated;
+    d[py::str(name + ".freed")] = st.freed;
+  };
+  auto arr = [&](const std::string& name, const sp_stat_array& a) {
+    stat(name + ".all", a.all);
+    stat(name + ".small_pool", a.small_pool);
+    stat(name + ".large_pool", a.large_pool);
+  };
+  arr("allocation", s.allocation);
+  arr("segment", s.segment);
+  arr("active", s.active);
+  arr("inactive_split", s.inactive_split);
+  arr("allocated_bytes", s.allocated_bytes);
+  arr("reserved_bytes", s.reserved_bytes);
+  arr("active_bytes", s.active_bytes);
+  arr("inactive_split_bytes", s.inactive_split_bytes);
+  arr("requested_bytes", s.requested_bytes);
+  stat("oversize_allocations", s.oversize_allocations);
+  stat("oversize_segments", s.oversize_segments);
+  d["num_alloc_retries"] = s.num_alloc_retries;
+  d["num_ooms"] = s.num_ooms;
+  d["num_sync_all_streams"] = s.num_sync_all_streams;
+  d["num_device_alloc"] = s.num_device_alloc;
+  d["num_device_free"] = s.num_device_free;
+  d["max_split_size"] = s.max_split_size;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "slotpool beneath PyTorch: the C++ allocator and slotpool's own API";
+
+  // ---- build and library facts ----
+  m.def("built_for_torch", []() { return std::string(sp::built_for_torch()); },
+        "torch.__version__ this extension was compiled against");
+  m.def("headers_version", []() {
+    return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+           std::to_string(TORCH_VERSION_PATCH);
+  });
+  m.def("slotpool_version", []() {
+    int a = 0, b = 0, c = 0;
+    sp::check(sp_version(&a, &b, &c), "sp_version");
+    return py::make_tuple(a, b, c);
+  });
+  m.def("header_version", []() {
+    return py::make_tuple(SP_VERSION_MAJOR, SP_VERSION_MINOR, SP_VERSION_PATCH);
+  });
+  m.def("has_feature", [](const std::string& name) { return sp_has_feature(name.c_str()) != 0; });
+  m.def("backend_name", []() {
+    alloc();
+    const char* name = nullptr;
+    sp::check(sp_backend_name(&name), "sp_backend_name");
+    return std::string(name != nullptr ? name : "");
+  });
+  m.def("last_error", &sp::last_error);
+
+  // ---- installation ----
+  m.def(
+      "install",
+      [](std::optional<std::string> backend, std::optional<std::string> conf) {
+        sp::install(std::move(backend), std::move(conf));
+      },
+      py::arg("backend") = py::none(), py::arg("conf") = py::none(),
+      "Install slotpool as PyTorch's CUDA allocator (before CUDA is initialised).");
+  m.def("is_installed", []() { return sp::instance() != nullptr; });
+  m.def("registry_is_ours", &sp::registry_is_ours);
+  m.def("routes", [](int device) {
+    py::list out;
+    for (const auto& [id, kind] : alloc().routes(device)) {
+      out.append(py::make_tuple(py::make_tuple(id.first, id.second), kind));
+    }
+    return out;
+  });
+  m.def("orphan_count", []() { return alloc().orphan_count(); });
+  m.def("process_events", [](int device) {
+    alloc();
+    sp::check(sp_process_events(device), "sp_process_events");
+  });
+
+  // ---- pools ----
+  m.def(
+      "pool_named",
+      [](int device, const std::string& name, bool no_split, bool use_on_oom,
+         uint64_t limit_bytes) {
+        auto& a = alloc();
+        sp_pool_options o{};
+        o.no_split = no_split ? 1 : 0;
+        o.use_on_oom = use_on_oom ? 1 : 0;
+        o.limit_bytes = limit_bytes;
+        sp_pool_id id{};
+        sp::check(sp_pool_named(device, name.c_str(), &o, &id), "sp_pool_named");
+        {
+          std::lock_guard<std::mutex> lk(a.pool_options_mutex());
+          sp_pool_options& known = a.pool_options_locked(device, id);
+          if (known.no_split == 0 && known.use_on_oom == 0 && known.limit_bytes == 0) {
+            known = o;  // the options it was created with (or asked for)
+          }
+        }
+        return Pool{id.a, id.b};
+      },
+      py::arg("device"), py::arg("name"), py::arg("no_split") = false,
+      py::arg("use_on_oom") = false, py::arg("limit_bytes") = 0);
+  m.def("pool_create_or_incref", [](int device, const Pool& pool) {
+    alloc();
+    uint64_t n = 0;
+    sp::check(sp_pool_create_or_incref(device, pool_of(pool), nullptr, &n),
+              "sp_pool_create_or_incref");
+    return n;
+  });
+  m.def("pool_release", [](int device, const Pool& pool) {
+    alloc();
+    uint64_t left = 0;
+    sp::check(sp_pool_release(device, pool_of(pool), &left), "sp_pool_release");
+    return left;
+  });
+  m.def("pool_use_count", [](int device, const Pool& pool) {
+    alloc();
+    uint64_t n = 0;
+    sp_status st = sp_pool_use_count(device, pool_of(pool), &n);
+    if (st == SP_ERR_UNKNOWN_POOL) {
+      return uint64_t{0};
+    }
+    sp::check(st, "sp_pool_use_count");
+    return n;
+  });
+  m.def(
+      "pool_set_options",
+      [](int device, const Pool& pool, bool no_split, bool use_on_oom, uint64_t limit_bytes) {
+        auto& a = alloc();
+        std::lock_guard<std::mutex> lk(a.pool_options_mutex());
+        sp_pool_options& o = a.pool_options_locked(device, pool_of(pool));
+        sp_pool_options next{};
+        next.no_split = no_split ? 1 : 0;
+        next.use_on_oom = use_on_oom ? 1 : 0;
+        next.limit_bytes = limit_bytes;
+        sp::check(sp_pool_set_options(device, pool_of(pool), &next), "sp_pool_set_options");
+        o = next;
+      },
+      py::arg("device"), py::arg("pool"), py::arg("no_split") = false,
+      py::arg("use_on_oom") = false, py::arg("limit_bytes") = 0);
+  m.def("pool_empty_cache", [](int device, const Pool& pool) {
+    alloc();
+    sp::check(sp_pool_empty_cache(device, pool_of(pool)), "sp_pool_empty_cache");
+  });
+  m.def("pool_stats", [](int device, const Pool& pool) {
+    alloc();
+    sp_memory_stats s{};
+    sp::check(sp_pool_stats_get(device, pool_of(pool), &s), "sp_pool_stats_get");
+    return flat_stats(s);
+  });
+  m.def("device_stats", [](int device) {
+    alloc();
+    sp_memory_stats s{};
+    sp::check(sp_memory_stats_get(device, &s), "sp_memory_stats_get");
+    return flat_stats(s);
+  });
+  m.def("pool_live", [](int device, const Pool& pool) {
+    py::list out;
+    for (void* p : alloc().pool_live_allocations(device, pool_of(pool))) {
+      out.append(reinterpret_cast<uintptr_t>(p));
+    }
+    return out;
+  });
+  m.def("verify_live", [](int device, const Pool& pool, const std::vector<uintptr_t>& ptrs) {
+    alloc();
+    std::vector<void*> v;
+    v.reserve(ptrs.size());
+    for (uintptr_t p : ptrs) {
+      v.push_back(reinterpret_cast<void*>(p));
+    }
+    void* none[1] = {nullptr};
+    sp_status st = sp_pool_verify_live(device, pool_of(pool), v.empty() ? none : v.data(), v.size());
+    if (st == SP_OK) {
+      return py::make_tuple(true, std::string());
+    }
+    std::string why = sp::describe(st);
+    if (st == SP_ERR_INVALID_STATE || st == SP_ERR_UNKNOWN_POOL) {
+      return py::make_tuple(false, why);
+    }
+    TORCH_CHECK(false, "slotpool: sp_pool_verify_live failed: ", why);
+  });
+
+  // ---- checkpoints ----
+  py::class_<sp::CheckpointState, std::shared_ptr<sp::CheckpointState>>(m, "Checkpoint")
+      .def_property_readonly("device", [](const sp::CheckpointState& c) { return c.device; })
+      .def_property_readonly("pool",
+                             [](const sp::CheckpointState& c) { return Pool{c.pool.a, c.pool.b}; })
+      .def("free", [](sp::CheckpointState& c) {
+        if (c.cp != nullptr) {
+          sp_checkpoint_free(c.cp);
+          c.cp = nullptr;
+        }
+      });
+  m.def("checkpoint", [](int device, const Pool& pool) {
+    return alloc().take_checkpoint(device, pool_of(pool));
+  });
+  m.def(
+      "restore",
+      [](int device, const Pool& pool, const sp::CheckpointState& cp,
+         const std::vector<uintptr_t>& keep, bool free_created) {
+        std::vector<void*> v;
+        v.reserve(keep.size());
+        for (uintptr_t p : keep) {
+          v.push_back(reinterpret_cast<void*>(p));
+        }
+        return restore_dict(alloc().restore(device, pool_of(pool), cp, v, free_created));
+      },
+      py::arg("device"), py::arg("pool"), py::arg("checkpoint"), py::arg("keep_live"),
+      py::arg("free_created") = true);
+
+  // ---- variant groups ----
+  py::class_<sp::VariantGroup, std::shared_ptr<sp::VariantGroup>>(m, "VariantGroup")
+      .def_property_readonly("device", [](const sp::VariantGroup& g) { return g.device; })
+      .def_property_readonly("pool",
+                             [](const sp::VariantGroup& g) { return Pool{g.pool.a, g.pool.b}; })
+      .def_property_readonly("count", [](const sp::VariantGroup& g) { return g.count; })
+      .def_property_readonly("active",
+                             [](sp::VariantGroup& g) -> std::optional<size_t> {
+                               std::lock_guard<std::mutex> lk(g.mu);
+                               return g.active;
+                             })
+      .def("begin",
+           [](sp::VariantGroup& g, size_t k, bool free_created) {
+             return restore_dict(g.begin(k, free_created));
+           },
+           py::arg("k"), py::arg("free_created") = true)
+      .def("end", &sp::VariantGroup::end)
+      .def("close", &sp::VariantGroup::close);
+  m.def("variant_group", [](int device, const Pool& pool, size_t count) {
+    alloc();
+    sp_variant_group* g = nullptr;
+    sp::check(sp_variant_group_create(device, pool_of(pool), count, &g), "sp_variant_group_create");
+    return std::make_shared<sp::VariantGroup>(device, pool_of(pool), count, g);
+  });
+
+  // ---- arenas ----
+  m.def("arena_create", [](int device, const Pool& pool, uint64_t stream) {
+    alloc();
+    uint64_t arena = 0;
+    sp::check(sp_arena_create(device, pool_of(pool), stream, &arena), "sp_arena_create");
+    return arena;
+  });
+  m.def("arena_alloc", [](int device, uint64_t arena, uint32_t branch, uint32_t slot,
+                          size_t size) {
+    alloc();
+    void* p = nullptr;
+    sp::check(sp_arena_alloc(device, arena, branch, slot, size, &p), "sp_arena_alloc");
+    return reinterpret_cast<uintptr_t>(p);
+  });
+  m.def("arena_free", [](int device, uint64_t arena, uint32_t branch, uint32_t slot) {
+    alloc();
+    sp::check(sp_arena_free(device, arena, branch, slot), "sp_arena_free");
+  });
+  m.def("arena_destroy", [](int device, uint64_t arena) {
+    alloc();
+    sp::check(sp_arena_destroy(device, arena), "sp_arena_destroy");
+  });
+  m.def(
+      "arena_tensor",
+      [](int device, uint64_t arena, uint32_t branch, uint32_t slot, int64_t nbytes) {
+        alloc();
+        TORCH_CHECK(nbytes > 0, "slotpool: an arena tensor needs a positive size");
+        void* p = nullptr;
+        sp::check(sp_arena_alloc(device, arena, branch, slot, static_cast<size_t>(nbytes), &p),
+                  "sp_arena_alloc");
+        // The slot is freed when the last tensor viewing it dies; after arena_destroy the free
+        // is refused and ignored.
+        auto deleter = [device, arena, branch, slot](void*) {
+          (void)sp_arena_free(device, arena, branch, slot);
+        };
+        return torch::from_blob(p, {nbytes}, deleter,
+                                torch::TensorOptions()
+                                    .dtype(torch::kUInt8)
+                                    .device(torch::Device(torch::kCUDA,
+                                                          static_cast<c10::DeviceIndex>(device))));
+      },
+      py::arg("device"), py::arg("arena"), py::arg("branch"), py::arg("slot"), py::arg("nbytes"));
+}

@@ -1,0 +1,1127 @@
+// slotpool beneath PyTorch: implementation. See slotpool_allocator.h for the design decisions.
+#include "slotpool_allocator.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/headeronly/version.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <tuple>
+#include <typeinfo>
+#include <unordered_set>
+
+#include "json_lite.h"
+
+#define SLOTPOOL_STR2(x) #x
+#define SLOTPOOL_STR(x) SLOTPOOL_STR2(x)
+
+namespace slotpool_torch {
+
+namespace {
+
+using c10::CachingDeviceAllocator::DeviceStats;
+using c10::CachingAllocator::Stat;
+using c10::CachingAllocator::StatArray;
+using c10::CachingAllocator::StatType;
+
+std::atomic<SlotpoolAllocator*> g_instance{nullptr};
+std::shared_ptr<SlotpoolAllocator> g_owner;
+std::mutex g_install_mu;
+
+const char* status_name(sp_status st) {
+  switch (st) {
+    case SP_OK: return "SP_OK";
+    case SP_ERR_INVALID_ARGUMENT: return "SP_ERR_INVALID_ARGUMENT";
+    case SP_ERR_OUT_OF_MEMORY: return "SP_ERR_OUT_OF_MEMORY";
+    case SP_ERR_UNKNOWN_POINTER: return "SP_ERR_UNKNOWN_POINTER";
+    case SP_ERR_UNKNOWN_POOL: return "SP_ERR_UNKNOWN_POOL";
+    case SP_ERR_INVALID_STATE: return "SP_ERR_INVALID_STATE";
+    case SP_ERR_BACKEND_UNAVAILABLE: return "SP_ERR_BACKEND_UNAVAILABLE";
+    case SP_ERR_DEVICE: return "SP_ERR_DEVICE";
+    case SP_ERR_NOT_INITIALIZED: return "SP_ERR_NOT_INITIALIZED";
+    case SP_ERR_SHUTDOWN: return "SP_ERR_SHUTDOWN";
+    case SP_ERR_PANIC: return "SP_ERR_PANIC";
+    case SP_ERR_CONFIG: return "SP_ERR_CONFIG";
+  }
+  return "SP_ERR_?";
+}
+
+std::string format_size(uint64_t size) {
+  char buf[64];
+  if (size <= 1024) {
+    std::snprintf(buf, sizeof(buf), "%" PRIu64 " bytes", size);
+  } else if (size <= 1048576) {
+    std::snprintf(buf, sizeof(buf), "%.2f KiB", static_cast<double>(size) / 1024.0);
+  } else if (size <= 1073741824ULL) {
+    std::snprintf(buf, sizeof(buf), "%.2f MiB", static_cast<double>(size) / 1048576.0);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", static_cast<double>(size) / 1073741824.0);
+  }
+  return buf;
+}
+
+void map_stat(const sp_stat& s, Stat& d) {
+  d.current = s.current;
+  d.peak = s.peak;
+  d.allocated = s.allocated;
+  d.freed = s.freed;
+}
+
+void map_array(const sp_stat_array& s, StatArray& d) {
+  map_stat(s.all, d[static_cast<size_t>(StatType::AGGREGATE)]);
+  map_stat(s.small_pool, d[static_cast<size_t>(StatType::SMALL_POOL)]);
+  map_stat(s.large_pool, d[static_cast<size_t>(StatType::LARGE_POOL)]);
+}
+
+// Owns a delta from sp_checkpoint_restore / sp_variant_begin.
+struct DeltaGuard {
+  sp_restore_delta* d = nullptr;
+  ~DeltaGuard() {
+    if (d != nullptr) {
+      sp_delta_free(d);
+    }
+  }
+};
+
+std::vector<PtrSize> delta_list(const sp_restore_delta* d, bool freed) {
+  std::vector<PtrSize> out;
+  if (d == nullptr) {
+    return out;
+  }
+  size_t n = freed ? sp_delta_freed_count(d) : sp_delta_created_count(d);
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    void* p = nullptr;
+    size_t size = 0;
+    sp_status st = freed ? sp_delta_freed(d, i, &p, &size) : sp_delta_created(d, i, &p, &size);
+    check(st, freed ? "sp_delta_freed" : "sp_delta_created");
+    out.emplace_back(p, size);
+  }
+  return out;
+}
+
+// slotpool's snapshot JSON for device (-1: every device), parsed.
+json::Value snapshot_json(int device) {
+  char* text = nullptr;
+  size_t len = 0;
+  check(sp_snapshot_json(device, &text, &len), "sp_snapshot_json");
+  std::unique_ptr<char, sp_status (*)(char*)> owned(text, &sp_string_free);
+  if (text == nullptr) {
+    return json::Value{};
+  }
+  try {
+    return json::parse(text, len);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "slotpool: cannot read the snapshot: ", e.what());
+  }
+}
+
+bool same_pool(const json::Value& seg, sp_pool_id pool) {
+  const json::Value* id = seg.get("segment_pool_id");
+  if (id == nullptr || id->type != json::Value::Type::Array || id->arr.size() != 2) {
+    return pool.a == 0 && pool.b == 0;
+  }
+  return id->arr[0].as_u64() == pool.a && id->arr[1].as_u64() == pool.b;
+}
+
+bool current_stream_capturing() {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &status);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;  // unknown: assume the worst
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Errors
+
+std::string last_error() {
+  const char* m = sp_last_error_message();
+  return m != nullptr ? std::string(m) : std::string();
+}
+
+std::string describe(sp_status st) {
+  std::string msg = last_error();
+  std::string out = status_name(st);
+  if (!msg.empty()) {
+    out += ": ";
+    out += msg;
+  }
+  return out;
+}
+
+void check(sp_status st, const char* what) {
+  if (st != SP_OK) {
+    std::string msg = describe(st);
+    TORCH_CHECK(false, "slotpool: ", what, " failed: ", msg);
+  }
+}
+
+const char* built_for_torch() {
+#ifdef SLOTPOOL_TORCH_VERSION_STR
+  return SLOTPOOL_STR(SLOTPOOL_TORCH_VERSION_STR);
+#else
+  return SLOTPOOL_STR(TORCH_VERSION_MAJOR) "." SLOTPOOL_STR(TORCH_VERSION_MINOR) "." SLOTPOOL_STR(
+      TORCH_VERSION_PATCH);
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// Checkpoint state and variant groups
+
+CheckpointState::~CheckpointState() {
+  if (cp != nullptr) {
+    sp_checkpoint_free(cp);
+    cp = nullptr;
+  }
+}
+
+VariantGroup::~VariantGroup() {
+  close();
+}
+
+void VariantGroup::close() {
+  std::lock_guard<std::mutex> lk(mu);
+  if (g != nullptr) {
+    sp_variant_group_free(g);
+    g = nullptr;
+  }
+  active.reset();
+}
+
+RestoreResult VariantGroup::begin(size_t k, bool free_created) {
+  std::lock_guard<std::mutex> lk(mu);
+  TORCH_CHECK(g != nullptr, "slotpool: the variant group is closed");
+  TORCH_CHECK(k < count, "slotpool: variant ", k, " of a group of ", count);
+  TORCH_CHECK(!active.has_value(), "slotpool: variant ", *active, " has not ended");
+  SlotpoolAllocator* a = instance();
+  TORCH_CHECK(a != nullptr, "slotpool: the allocator is not installed");
+  // Frees that wait on cross-stream events make a restore refuse; retire the completed ones.
+  (void)sp_process_events(device);
+  DeltaGuard delta;
+  check(sp_variant_begin(g, k, &delta.d), "sp_variant_begin");
+  active = k;
+  return a->absorb_delta(delta.d, free_created);
+}
+
+void VariantGroup::end() {
+  std::lock_guard<std::mutex> lk(mu);
+  TORCH_CHECK(g != nullptr, "slotpool: the variant group is closed");
+  check(sp_variant_end(g), "sp_variant_end");
+  active.reset();
+}
+
+// ------------------------------------------------------------------------------------------------
+// The allocator
+
+SlotpoolAllocator::SlotpoolAllocator(std::optional<std::string> backend,
+                                     std::optional<std::string> conf)
+    : backend_(std::move(backend)), conf_(std::move(conf)) {}
+
+void SlotpoolAllocator::ensure_initialized() {
+  if (sp_ready_.load(std::memory_order_acquire)) {
+    return;
+  }
+  std::lock_guard<std::mutex> lk(init_mu_);
+  if (sp_ready_.load(std::memory_order_relaxed)) {
+    return;
+  }
+  int is_init = 0;
+  check(sp_is_initialized(&is_init), "sp_is_initialized");
+  if (is_init == 0) {
+    sp_status st = sp_init(backend_ ? backend_->c_str() : nullptr, conf_ ? conf_->c_str() : nullptr);
+    if (st != SP_OK && st != SP_ERR_INVALID_STATE) {  // INVALID_STATE: initialised meanwhile
+      std::string msg = describe(st);
+      TORCH_CHECK(false, "slotpool: sp_init(backend=", backend_.value_or("<env>"),
+                  ", conf=", conf_.value_or("<env>"), ") failed: ", msg);
+    }
+  }
+  const char* bname = nullptr;
+  if (sp_backend_name(&bname) == SP_OK && bname != nullptr && std::string(bname) != "cuda") {
+    TORCH_WARN("slotpool: backend is '", bname,
+               "', not 'cuda': PyTorch kernels cannot use its memory. Set SLOTPOOL_BACKEND=cuda "
+               "or install(backend='cuda').");
+  }
+  sp_ready_.store(true, std::memory_order_release);
+}
+
+void SlotpoolAllocator::check_device(c10::DeviceIndex device) const {
+  TORCH_CHECK(device >= 0 && device < static_cast<c10::DeviceIndex>(C10_COMPILE_TIME_MAX_GPUS),
+              "slotpool: invalid device ", static_cast<int>(device));
+}
+
+void SlotpoolAllocator::init(int device_count) {
+  device_count_.store(device_count);
+  ensure_initialized();
+  initialized_.store(true, std::memory_order_release);
+}
+
+bool SlotpoolAllocator::initialized() {
+  return initialized_.load(std::memory_order_acquire);
+}
+
+// ---- allocation ----
+
+sp_pool_id SlotpoolAllocator::route_for(c10::DeviceIndex device, cudaStream_t stream) {
+  auto& r = routes_[device];
+  std::shared_lock<std::shared_mutex> lk(r.mu);
+  // PyTorch's get_pool: captures_underway in order of begin, the first filter that accepts the
+  // allocation's stream wins.
+  for (const Route& e : r.list) {
+    if (!e.filter || e.filter(stream)) {
+      return to_sp(e.id);
+    }
+  }
+  return sp_pool_id{0, 0};
+}
+
+void* SlotpoolAllocator::malloc_impl(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream) {
+  check_device(device);
+  void* p = nullptr;
+  sp_status st;
+  if (C10_UNLIKELY(routes_[device].active.load(std::memory_order_acquire) > 0)) {
+    sp_pool_id pool = route_for(device, stream);
+    st = sp_pool_alloc(device, pool, nbytes, reinterpret_cast<uint64_t>(stream), &p);
+  } else {
+    st = sp_alloc(device, nbytes, reinterpret_cast<uint64_t>(stream), &p);
+  }
+  if (C10_LIKELY(st == SP_OK)) {
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      sp_memory_stats s{};
+      if (sp_memory_stats_get(device, &s) == SP_OK) {
+        size_t rounded = nbytes;
+        void* base = nullptr;
+        size_t requested = 0;
+        int dev = 0;
+        (void)sp_allocation_info(p, &base, &rounded, &requested, &dev);
+        c10::reportMemoryUsageToProfiler(p, static_cast<int64_t>(rounded),
+                                         static_cast<size_t>(s.allocated_bytes.all.current),
+                                         static_cast<size_t>(s.reserved_bytes.all.current),
+                                         c10::Device(c10::DeviceType::CUDA, device));
+      }
+    }
+    return p;
+  }
+  std::string msg = describe(st);
+  // slotpool refuses sizes above 2^56 as invalid; PyTorch reports any unsatisfiable size as OOM.
+  if (st == SP_ERR_OUT_OF_MEMORY ||
+      (st == SP_ERR_INVALID_ARGUMENT && static_cast<uint64_t>(nbytes) > (uint64_t{1} << 56))) {
+    throw_oom(device, nbytes, msg);
+  }
+  TORCH_CHECK(false, "slotpool: allocating ", format_size(nbytes), " on device ",
+              static_cast<int>(device), " failed: ", msg);
+}
+
+void SlotpoolAllocator::throw_oom(c10::DeviceIndex device, size_t nbytes, const std::string& msg) {
+  size_t device_free = 0;
+  size_t device_total = 0;
+  {
+    // cudaMemGetInfo is not a stream operation, but stay clear of a global-mode capture's rules.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    bool swapped = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+    c10::DeviceIndex prev = -1;
+    if (c10::cuda::GetDevice(&prev) == cudaSuccess && prev != device) {
+      (void)c10::cuda::SetDevice(device);
+    }
+    if (cudaMemGetInfo(&device_free, &device_total) != cudaSuccess) {
+      (void)cudaGetLastError();
+    }
+    if (prev >= 0 && prev != device) {
+      (void)c10::cuda::SetDevice(prev);
+    }
+    if (swapped) {
+      (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    }
+  }
+  uint64_t limit = 0;
+  uint64_t total = 0;
+  size_t allowed = device_total;
+  if (sp_memory_limit_get(device, &limit, &total) == SP_OK && limit != 0 && limit < total) {
+    allowed = static_cast<size_t>(limit);
+  }
+  sp_memory_stats s{};
+  bool have_stats = sp_memory_stats_get(device, &s) == SP_OK;
+  if (have_stats && C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+    c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(nbytes),
+                                     static_cast<size_t>(s.allocated_bytes.all.current),
+                                     static_cast<size_t>(s.reserved_bytes.all.current),
+                                     c10::Device(c10::DeviceType::CUDA, device));
+  }
+  std::vector<CCA::OutOfMemoryObserver> observers;
+  {
+    std::lock_guard<std::mutex> lk(observers_mu_);
+    observers = oom_observers_;
+  }
+  for (auto& obs : observers) {
+    try {
+      obs(device, nbytes, allowed, device_free);
+    } catch (const std::exception& e) {
+      TORCH_WARN("slotpool: an out-of-memory observer failed: ", e.what());
+    } catch (...) {
+      TORCH_WARN("slotpool: an out-of-memory observer failed");
+    }
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ",
+                   format_size(nbytes), ". GPU ", static_cast<int>(device),
+                   " has a total capacity of ", format_size(device_total), " of which ",
+                   format_size(device_free), " is free. slotpool: ", msg);
+}
+
+c10::DataPtr SlotpoolAllocator::allocate(size_t nbytes) {
+  c10::DeviceIndex device = c10::cuda::current_device();
+  void* p = nullptr;
+  if (nbytes != 0) {
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    p = malloc_impl(device, nbytes, stream);
+  }
+  // Size 0: a null pointer with our deleter, as PyTorch's allocator does (the deleter never runs
+  // for a null context).
+  return {p, p, &slotpool_delete, c10::Device(c10::DeviceType::CUDA, device)};
+}
+
+c10::DeleterFnPtr SlotpoolAllocator::raw_deleter() const {
+  return &slotpool_delete;
+}
+
+void SlotpoolAllocator::copy_data(void* dest, const void* src, std::size_t count) const {
+  C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+}
+
+void* SlotpoolAllocator::raw_alloc(size_t nbytes) {
+  if (nbytes == 0) {
+    return nullptr;
+  }
+  c10::DeviceIndex device = c10::cuda::current_device();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  return malloc_impl(device, nbytes, stream);
+}
+
+void* SlotpoolAllocator::raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) {
+  if (nbytes == 0) {
+    return nullptr;
+  }
+  c10::DeviceIndex device = c10::cuda::current_device();
+  return malloc_impl(device, nbytes, stream);
+}
+
+void SlotpoolAllocator::raw_delete(void* ptr) {
+  free_ptr(ptr, /*throw_on_error=*/true);
+}
+
+bool SlotpoolAllocator::consume_orphan(void* ptr) {
+  std::lock_guard<std::mutex> lk(orphan_mu_);
+  auto it = orphans_.find(ptr);
+  if (it == orphans_.end()) {
+    return false;
+  }
+  if (--it->second == 0) {
+    orphans_.erase(it);
+  }
+  n_orphans_.fetch_sub(1, std::memory_order_acq_rel);
+  return true;
+}
+
+void SlotpoolAllocator::free_ptr(void* ptr, bool throw_on_error) {
+  if (ptr == nullptr) {
+    return;
+  }
+  // A pointer a restore freed while a tensor still held it: this free is the stale owner's (or
+  // the new owner's, if the address was handed out again; then the other one frees it later).
+  if (C10_UNLIKELY(n_orphans_.load(std::memory_order_acquire) > 0) && consume_orphan(ptr)) {
+    return;
+  }
+  if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+    void* base = nullptr;
+    size_t size = 0;
+    size_t requested = 0;
+    int dev = 0;
+    if (sp_allocation_info(ptr, &base, &size, &requested, &dev) == SP_OK) {
+      sp_memory_stats s{};
+      if (sp_memory_stats_get(dev, &s) == SP_OK) {
+        c10::reportMemoryUsageToProfiler(
+            ptr, -static_cast<int64_t>(size),
+            static_cast<size_t>(s.allocated_bytes.all.current) - size,
+            static_cast<size_t>(s.reserved_bytes.all.current),
+            c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(dev)));
+      }
+    }
+  }
+  sp_status st = sp_free(ptr);
+  if (C10_LIKELY(st == SP_OK)) {
+    return;
+  }
+  std::string msg = describe(st);
+  if (throw_on_error) {
+    TORCH_CHECK(false, "slotpool: freeing ", ptr, " failed: ", msg);
+  }
+  TORCH_WARN("slotpool: freeing ", ptr, " failed: ", msg);
+}
+
+void slotpool_delete(void* ptr) {
+  SlotpoolAllocator* a = g_instance.load(std::memory_order_acquire);
+  if (a != nullptr) {
+    a->free_ptr(ptr, /*throw_on_error=*/false);
+  } else if (ptr != nullptr) {
+    (void)sp_free(ptr);
+  }
+}
+
+// ---- caching, limits, statistics ----
+
+void SlotpoolAllocator::emptyCache(MempoolId_t mempool_id) {
+  ensure_initialized();
+  // Called from ~MemPool: report, never throw.
+  if (mempool_id.first == 0 && mempool_id.second == 0) {
+    sp_status st = sp_empty_cache(-1);
+    if (st != SP_OK) {
+      TORCH_WARN("slotpool: empty_cache failed: ", describe(st));
+    }
+    return;
+  }
+  int n = std::max(device_count_.load(), 1);
+  for (int d = 0; d < n; ++d) {
+    sp_status st = sp_pool_empty_cache(d, to_sp(mempool_id));
+    if (st != SP_OK && st != SP_ERR_UNKNOWN_POOL) {
+      TORCH_WARN("slotpool: emptying pool (", mempool_id.first, ", ", mempool_id.second,
+                 ") on device ", d, " failed: ", describe(st));
+    }
+  }
+}
+
+double SlotpoolAllocator::getMemoryFraction(c10::DeviceIndex device) {
+  ensure_initialized();
+  uint64_t limit = 0;
+  uint64_t total = 0;
+  check(sp_memory_limit_get(device, &limit, &total), "sp_memory_limit_get");
+  if (limit == 0 || total == 0 || limit >= total) {
+    return 1.0;
+  }
+  return static_cast<double>(limit) / static_cast<double>(total);
+}
+
+void SlotpoolAllocator::setMemoryFraction(double fraction, c10::DeviceIndex device) {
+  ensure_initialized();
+  check(sp_set_memory_fraction(device, fraction), "sp_set_memory_fraction");
+}
+
+std::vector<CCA::StreamSegmentSize> SlotpoolAllocator::getExpandableSegmentSizes(
+    c10::DeviceIndex device) {
+  ensure_initialized();
+  // slotpool's vmm segments play the part of expandable segments: their sizes per (stream, pool
+  // size class), from the snapshot.
+  std::map<std::pair<uint64_t, bool>, size_t> sizes;
+  json::Value snap = snapshot_json(device);
+  if (const json::Value* segs = snap.get("segments")) {
+    for (const auto& seg : segs->arr) {
+      if (!seg.boolean("is_expandable")) {
+        continue;
+      }
+      bool small = seg.str("segment_type") == "small";
+      sizes[{seg.u64("stream"), small}] += static_cast<size_t>(seg.u64("total_size"));
+    }
+  }
+  std::vector<CCA::StreamSegmentSize> out;
+  for (const auto& [key, size] : sizes) {
+    out.emplace_back(reinterpret_cast<cudaStream_t>(key.first), key.second, size);
+  }
+  return out;
+}
+
+void SlotpoolAllocator::enable(bool value) {
+  if (!value) {
+    TORCH_WARN_ONCE(
+        "slotpool: caching cannot be turned off (caching_allocator_enable(False) / "
+        "PYTORCH_NO_CUDA_MEMORY_CACHING); slotpool keeps caching. Use torch.cuda.empty_cache() "
+        "or a memory limit instead.");
+  }
+  enabled_.store(value);
+}
+
+bool SlotpoolAllocator::isEnabled() const {
+  // Caching stays on whatever enable() was told (see enable()).
+  return true;
+}
+
+void SlotpoolAllocator::cacheInfo(c10::DeviceIndex device, size_t* largestBlock) {
+  ensure_initialized();
+  TORCH_CHECK(largestBlock != nullptr, "slotpool: cacheInfo needs an out pointer");
+  if (*largestBlock == 0) {
+    // PyTorch's allocator starts from the device's free memory when asked with 0 (cuDNN's
+    // benchmark sizes its workspace from this).
+    size_t free_b = 0;
+    size_t total_b = 0;
+    c10::cuda::CUDAGuard guard(device);
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
+      *largestBlock = free_b;
+    } else {
+      (void)cudaGetLastError();
+    }
+  }
+  size_t cached = 0;
+  check(sp_largest_free_block(device, &cached), "sp_largest_free_block");
+  *largestBlock = std::max(*largestBlock, cached);
+}
+
+void* SlotpoolAllocator::getBaseAllocation(void* ptr, size_t* size) {
+  void* base = nullptr;
+  size_t rounded = 0;
+  size_t requested = 0;
+  int dev = 0;
+  check(sp_allocation_info(ptr, &base, &rounded, &requested, &dev), "sp_allocation_info");
+  if (size != nullptr) {
+    *size = rounded;
+  }
+  return base;
+}
+
+void SlotpoolAllocator::recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) {
+  // Like PyTorch's allocator: memory that is not ours (another deleter: IPC, arenas, from_blob) is
+  // ignored; so is the null pointer of an empty tensor.
+  if (ptr.get() == nullptr || ptr.get_deleter() != &slotpool_delete) {
+    return;
+  }
+  sp_status st = sp_record_stream(ptr.get(), reinterpret_cast<uint64_t>(stream.stream()));
+  if (st == SP_OK) {
+    return;
+  }
+  std::string msg = describe(st);
+  if (st == SP_ERR_UNKNOWN_POINTER && n_orphans_.load(std::memory_order_acquire) > 0) {
+    std::lock_guard<std::mutex> lk(orphan_mu_);
+    if (orphans_.count(ptr.get()) != 0) {
+      return;  // a stale tensor whose allocation a restore freed: nothing left to protect
+    }
+  }
+  TORCH_CHECK(false, "slotpool: sp_record_stream failed: ", msg);
+}
+
+DeviceStats SlotpoolAllocator::getDeviceStats(c10::DeviceIndex device) {
+  ensure_initialized();
+  sp_memory_stats s{};
+  check(sp_memory_stats_get(device, &s), "sp_memory_stats_get");
+  DeviceStats d;
+  map_array(s.allocation, d.allocation);
+  map_array(s.segment, d.segment);
+  map_array(s.active, d.active);
+  map_array(s.inactive_split, d.inactive_split);
+  map_array(s.allocated_bytes, d.allocated_bytes);
+  map_array(s.reserved_bytes, d.reserved_bytes);
+  map_array(s.active_bytes, d.active_bytes);
+  map_array(s.inactive_split_bytes, d.inactive_split_bytes);
+  map_array(s.requested_bytes, d.requested_bytes);
+  d.num_alloc_retries = s.num_alloc_retries;
+  d.num_ooms = s.num_ooms;
+  map_stat(s.oversize_allocations, d.oversize_allocations);
+  map_stat(s.oversize_segments, d.oversize_segments);
+  d.num_sync_all_streams = s.num_sync_all_streams;
+  d.num_device_alloc = s.num_device_alloc;
+  d.num_device_free = s.num_device_free;
+  d.max_split_size = s.max_split_size;  // -1 when unlimited, as PyTorch's SIZE_MAX reads
+  return d;
+}
+
+void SlotpoolAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
+  ensure_initialized();
+  check(sp_reset_accumulated_stats(device), "sp_reset_accumulated_stats");
+}
+
+void SlotpoolAllocator::resetPeakStats(c10::DeviceIndex device) {
+  ensure_initialized();
+  check(sp_reset_peak_stats(device), "sp_reset_peak_stats");
+}
+
+// ---- snapshot ----
+
+CCA::SnapshotInfo SlotpoolAllocator::snapshot(MempoolId_t mempool_id, bool include_traces) {
+  ensure_initialized();
+  (void)include_traces;  // no trace ring yet: device_traces are empty lists
+  CCA::SnapshotInfo info;
+  json::Value snap = snapshot_json(-1);
+  bool filter = mempool_id.first != 0 || mempool_id.second != 0;
+  sp_pool_id want = to_sp(mempool_id);
+  int max_device = std::max(device_count_.load(), 1) - 1;
+  if (const json::Value* segs = snap.get("segments")) {
+    for (const auto& seg : segs->arr) {
+      if (filter && !same_pool(seg, want)) {
+        continue;
+      }
+      int device = static_cast<int>(seg.i64("device"));
+      max_device = std::max(max_device, device);
+      c10::CachingDeviceAllocator::SegmentInfo proto;
+      proto.device = static_cast<c10::DeviceIndex>(device);
+      proto.stream = reinterpret_cast<void*>(seg.u64("stream"));
+      proto.is_large = seg.str("segment_type") != "small";
+      proto.is_expandable = seg.boolean("is_expandable");
+      if (const json::Value* id = seg.get("segment_pool_id");
+          id != nullptr && id->type == json::Value::Type::Array && id->arr.size() == 2) {
+        proto.owner_private_pool_id = MempoolId_t{id->arr[0].as_u64(), id->arr[1].as_u64()};
+      }
+      // PyTorch computes block addresses as segment address + sizes of the blocks before; a
+      // gap (an unmapped range of a vmm segment) starts a new segment, as PyTorch reports each
+      // mapped range of an expandable segment on its own.
+      const json::Value* blocks = seg.get("blocks");
+      uint64_t seg_addr = seg.u64("address");
+      auto start = [&](uint64_t addr) {
+        info.segments.push_back(proto);
+        info.segments.back().address = static_cast<size_t>(addr);
+      };
+      if (blocks == nullptr || blocks->arr.empty()) {
+        start(seg_addr);
+        info.segments.back().total_size = static_cast<size_t>(seg.u64("total_size"));
+        continue;
+      }
+      uint64_t next = 0;
+      bool open = false;
+      for (const auto& b : blocks->arr) {
+        uint64_t addr = b.get("address") != nullptr ? b.u64("address") : (open ? next : seg_addr);
+        if (!open || addr != next) {
+          start(addr);
+          open = true;
+        }
+        auto& cur = info.segments.back();
+        c10::CachingDeviceAllocator::BlockInfo bi;
+        bi.size = static_cast<size_t>(b.u64("size"));
+        bi.requested_size = static_cast<size_t>(b.u64("requested_size"));
+        std::string state = b.str("state");
+        bi.allocated = state == "active_allocated";
+        bi.active = state != "inactive";
+        cur.total_size += bi.size;
+        if (bi.allocated) {
+          cur.allocated_size += bi.size;
+        }
+        if (bi.active) {
+          cur.active_size += bi.size;
+          cur.requested_size += bi.requested_size;
+        }
+        cur.blocks.push_back(std::move(bi));
+        next = addr + b.u64("size");
+      }
+    }
+  }
+  std::sort(info.segments.begin(), info.segments.end(),
+            [](const auto& x, const auto& y) { return x.address < y.address; });
+  info.device_traces.resize(static_cast<size_t>(max_device + 1));
+  CCA::AllocatorConfigInfo& cfg = info.config_metadata;
+  cfg.garbage_collection_threshold = 0.0;
+  sp_memory_stats s{};
+  cfg.max_split_size = sp_memory_stats_get(0, &s) == SP_OK && s.max_split_size >= 0
+                           ? static_cast<size_t>(s.max_split_size)
+                           : SIZE_MAX;
+  cfg.pinned_num_register_threads = 1;
+  cfg.expandable_segments = std::any_of(info.segments.begin(), info.segments.end(),
+                                        [](const auto& x) { return x.is_expandable; });
+  cfg.release_lock_on_malloc = false;
+  cfg.pinned_use_host_register = false;
+  cfg.graph_capture_record_stream_reuse = false;
+  const char* env = std::getenv("SLOTPOOL_CONF");
+  cfg.last_allocator_settings = std::string("slotpool:") + (env != nullptr ? env : "");
+  return info;
+}
+
+std::vector<void*> SlotpoolAllocator::pool_live_allocations(int device, sp_pool_id pool) {
+  std::vector<void*> out;
+  json::Value snap = snapshot_json(device);
+  const json::Value* segs = snap.get("segments");
+  if (segs == nullptr) {
+    return out;
+  }
+  for (const auto& seg : segs->arr) {
+    if (!same_pool(seg, pool)) {
+      continue;
+    }
+    const json::Value* blocks = seg.get("blocks");
+    if (blocks == nullptr) {
+      continue;
+    }
+    uint64_t addr = seg.u64("address");
+    for (const auto& b : blocks->arr) {
+      if (b.get("address") != nullptr) {
+        addr = b.u64("address");
+      }
+      if (b.str("state") == "active_allocated") {
+        out.push_back(reinterpret_cast<void*>(addr));
+      }
+      addr += b.u64("size");
+    }
+  }
+  return out;
+}
+
+// ---- pools and routes ----
+
+void SlotpoolAllocator::beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                                            std::function<bool(cudaStream_t)> filter) {
+  ensure_initialized();
+  check_device(device);
+  // Which kind of filter is this? PyTorch 2.11 passes (a) CUDAGraph's capture filters (capture
+  // id of the allocation's stream == the graph's; called before cudaStreamBeginCapture, so the id
+  // is not known yet), (b) use_mem_pool's thread filter, (c) the current-stream filter and (d)
+  // "always". A capture filter names CUDAGraph in its type, or rejects the current stream now (the
+  // capture has not started, or a conditional node's child capture has not).
+  bool capture = false;
+  std::string tname = filter ? filter.target_type().name() : "";
+  if (tname.find("CUDAGraph") != std::string::npos) {
+    capture = true;
+  } else if (filter) {
+    cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device).stream();
+    capture = !filter(cur);
+  }
+  auto& r = routes_[device];
+  std::unique_lock<std::shared_mutex> lk(r.mu);
+  for (const Route& e : r.list) {
+    TORCH_CHECK(e.id != mempool_id, "beginAllocateToPool: already recording to mempool_id (",
+                mempool_id.first, ", ", mempool_id.second, ")");
+  }
+  sp_status st = capture ? sp_begin_allocate_to_pool(device, to_sp(mempool_id), SP_ROUTE_CAPTURE,
+                                                     kNeverCaptureId)
+                         : sp_begin_allocate_to_pool(device, to_sp(mempool_id),
+                                                     SP_ROUTE_CURRENT_THREAD, 0);
+  check(st, "sp_begin_allocate_to_pool");
+  r.list.push_back(Route{mempool_id, std::move(filter), capture,
+                         capture ? "capture" : "thread/stream/all"});
+  r.active.store(static_cast<int>(r.list.size()), std::memory_order_release);
+}
+
+void SlotpoolAllocator::endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) {
+  check_device(device);
+  auto& r = routes_[device];
+  std::unique_lock<std::shared_mutex> lk(r.mu);
+  auto it = std::find_if(r.list.begin(), r.list.end(),
+                         [&](const Route& e) { return e.id == mempool_id; });
+  TORCH_CHECK(it != r.list.end(), "endAllocatePool: not currently recording to mempool_id (",
+              mempool_id.first, ", ", mempool_id.second, ")");
+  r.list.erase(it);
+  r.active.store(static_cast<int>(r.list.size()), std::memory_order_release);
+  check(sp_end_allocate_to_pool(device, to_sp(mempool_id)), "sp_end_allocate_to_pool");
+}
+
+void SlotpoolAllocator::releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) {
+  // Called from CUDAGraph::reset (a destructor) and ~MemPool: report, never throw.
+  sp_status st = sp_pool_release(device, to_sp(mempool_id), nullptr);
+  if (st != SP_OK) {
+    TORCH_WARN("slotpool: releasing pool (", mempool_id.first, ", ", mempool_id.second,
+               ") on device ", static_cast<int>(device), " failed: ", describe(st));
+  }
+}
+
+int SlotpoolAllocator::getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) {
+  ensure_initialized();
+  uint64_t n = 0;
+  sp_status st = sp_pool_use_count(device, to_sp(mempool_id), &n);
+  if (st == SP_ERR_UNKNOWN_POOL) {
+    return 0;
+  }
+  check(st, "sp_pool_use_count");
+  return static_cast<int>(n);
+}
+
+void SlotpoolAllocator::createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                                           std::shared_ptr<CCA::CUDAAllocator> allocator) {
+  ensure_initialized();
+  if (allocator != nullptr && allocator.get() != this) {
+    TORCH_WARN_ONCE(
+        "slotpool: MemPool(allocator=...) is not supported; the pool's memory comes from "
+        "slotpool and the given allocator is ignored.");
+  }
+  check(sp_pool_create_or_incref(device, to_sp(mempool_id), nullptr, nullptr),
+        "sp_pool_create_or_incref");
+}
+
+sp_pool_options& SlotpoolAllocator::pool_options_locked(int device, sp_pool_id pool) {
+  return pool_options_[std::make_tuple(device, pool.a, pool.b)];  // zero-initialised if new
+}
+
+void SlotpoolAllocator::setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id,
+                                    bool use_on_oom) {
+  // ~MemPool calls this: report, never throw (a throw there aborts the process).
+  std::lock_guard<std::mutex> lk(options_mu_);
+  sp_pool_options& o = pool_options_locked(device, to_sp(mempool_id));
+  o.use_on_oom = use_on_oom ? 1 : 0;
+  sp_status st = sp_pool_set_options(device, to_sp(mempool_id), &o);
+  if (st != SP_OK) {
+    TORCH_WARN("slotpool: setUseOnOOM on pool (", mempool_id.first, ", ", mempool_id.second,
+               ") failed: ", describe(st));
+  }
+}
+
+void SlotpoolAllocator::setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) {
+  std::lock_guard<std::mutex> lk(options_mu_);
+  sp_pool_options& o = pool_options_locked(device, to_sp(mempool_id));
+  o.no_split = 1;
+  sp_status st = sp_pool_set_options(device, to_sp(mempool_id), &o);
+  if (st != SP_OK) {
+    TORCH_WARN("slotpool: setNoSplit on pool (", mempool_id.first, ", ", mempool_id.second,
+               ") failed: ", describe(st));
+  }
+}
+
+bool SlotpoolAllocator::checkPoolLiveAllocations(
+    c10::DeviceIndex device, MempoolId_t mempool_id,
+    const std::unordered_set<void*>& expected_live_allocations) {
+  ensure_initialized();
+  std::vector<void*> ptrs(expected_live_allocations.begin(), expected_live_allocations.end());
+  void* none[1] = {nullptr};  // a valid array pointer even when the set is empty
+  sp_status st = sp_pool_verify_live(device, to_sp(mempool_id), ptrs.empty() ? none : ptrs.data(),
+                                     ptrs.size());
+  if (st == SP_OK) {
+    return true;
+  }
+  if (st == SP_ERR_INVALID_STATE) {
+    return false;
+  }
+  if (st == SP_ERR_UNKNOWN_POOL) {
+    return ptrs.empty();
+  }
+  check(st, "sp_pool_verify_live");
+  return false;
+}
+
+std::vector<std::pair<MempoolId_t, std::string>> SlotpoolAllocator::routes(int device) {
+  check_device(static_cast<c10::DeviceIndex>(device));
+  auto& r = routes_[device];
+  std::shared_lock<std::shared_mutex> lk(r.mu);
+  std::vector<std::pair<MempoolId_t, std::string>> out;
+  for (const Route& e : r.list) {
+    out.emplace_back(e.id, e.kind);
+  }
+  return out;
+}
+
+// ---- checkpoints ----
+
+std::shared_ptr<CheckpointState> SlotpoolAllocator::take_checkpoint(int device, sp_pool_id pool) {
+  ensure_initialized();
+  (void)sp_process_events(device);
+  sp_checkpoint* cp = nullptr;
+  sp_status st = sp_checkpoint_take(device, pool, &cp);
+  if (st == SP_ERR_INVALID_STATE && !current_stream_capturing()) {
+    // Frees that wait on cross-stream events: let them complete, retire them, try once more
+    // (PyTorch's allocator requires the same: "Events should have synchronized").
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    (void)sp_process_events(device);
+    st = sp_checkpoint_take(device, pool, &cp);
+  }
+  check(st, "sp_checkpoint_take");
+  return std::make_shared<CheckpointState>(device, pool, cp);
+}
+
+std::shared_ptr<CCA::AllocatorState> SlotpoolAllocator::getCheckpointState(c10::DeviceIndex device,
+                                                                          MempoolId_t id) {
+  return take_checkpoint(device, to_sp(id));
+}
+
+CCA::CheckpointDelta SlotpoolAllocator::setCheckpointPoolState(
+    c10::DeviceIndex device, std::shared_ptr<CCA::AllocatorState> pps) {
+  ensure_initialized();
+  auto state = std::dynamic_pointer_cast<CheckpointState>(pps);
+  TORCH_CHECK(state != nullptr,
+              "slotpool: setCheckpointPoolState needs a state from slotpool's getCheckpointState");
+  TORCH_CHECK(state->device == device, "slotpool: checkpoint of device ", state->device,
+              " restored on device ", static_cast<int>(device));
+  TORCH_CHECK(state->cp != nullptr, "slotpool: checkpoint already freed");
+  (void)sp_process_events(device);
+  DeltaGuard delta;
+  void* none[1] = {nullptr};  // keep nothing (PyTorch's restore has no keep set)
+  check(sp_checkpoint_restore(device, state->pool, state->cp, none, 0, &delta.d),
+        "sp_checkpoint_restore");
+  std::vector<PtrSize> freed = delta_list(delta.d, true);
+  std::vector<PtrSize> created = delta_list(delta.d, false);
+  // PyTorch's contract: every allocation live before is "freed", every allocation of the
+  // checkpoint is "allocated" (survivors, live in both, appear in both lists).
+  std::vector<void*> live_after = pool_live_allocations(device, state->pool);
+  std::unordered_set<void*> created_set;
+  for (const auto& c : created) {
+    created_set.insert(c.first);
+  }
+  CCA::CheckpointDelta out;
+  out.ptrs_freed.reserve(freed.size() + live_after.size());
+  for (const auto& f : freed) {
+    out.ptrs_freed.push_back(f.first);
+  }
+  for (void* p : live_after) {
+    if (created_set.count(p) == 0) {
+      out.ptrs_freed.push_back(p);
+    }
+  }
+  out.dataptrs_allocd.reserve(live_after.size());
+  for (void* p : live_after) {
+    out.dataptrs_allocd.emplace_back(p, p, &slotpool_delete,
+                                     c10::Device(c10::DeviceType::CUDA, device));
+  }
+  return out;
+}
+
+RestoreResult SlotpoolAllocator::absorb_delta(sp_restore_delta* delta, bool free_created) {
+  RestoreResult res;
+  res.freed = delta_list(delta, true);
+  res.created = delta_list(delta, false);
+  if (!res.freed.empty()) {
+    std::lock_guard<std::mutex> lk(orphan_mu_);
+    for (const auto& f : res.freed) {
+      ++orphans_[f.first];
+    }
+    n_orphans_.fetch_add(res.freed.size(), std::memory_order_acq_rel);
+  }
+  if (free_created) {
+    // Re-created allocations were freed by their owners after the checkpoint: nobody holds them.
+    for (const auto& c : res.created) {
+      sp_status st = sp_free(c.first);
+      if (st != SP_OK) {
+        TORCH_WARN("slotpool: freeing re-created ", c.first, " failed: ", describe(st));
+      }
+    }
+  }
+  return res;
+}
+
+RestoreResult SlotpoolAllocator::restore(int device, sp_pool_id pool, const CheckpointState& cp,
+                                         const std::vector<void*>& keep_live, bool free_created) {
+  ensure_initialized();
+  TORCH_CHECK(cp.cp != nullptr, "slotpool: checkpoint already freed");
+  TORCH_CHECK(cp.device == device, "slotpool: checkpoint of device ", cp.device,
+              " restored on device ", device);
+  (void)sp_process_events(device);
+  DeltaGuard delta;
+  void* none[1] = {nullptr};
+  check(sp_checkpoint_restore(device, pool, cp.cp, keep_live.empty() ? none : keep_live.data(),
+                              keep_live.size(), &delta.d),
+        "sp_checkpoint_restore");
+  return absorb_delta(delta.d, free_created);
+}
+
+size_t SlotpoolAllocator::orphan_count() {
+  return n_orphans_.load(std::memory_order_acquire);
+}
+
+// ---- history, observers, IPC, peers ----
+
+bool SlotpoolAllocator::isHistoryEnabled() {
+  return history_enabled_.load();
+}
+
+void SlotpoolAllocator::recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
+                                      size_t alloc_trace_max_entries, CCA::RecordContext when,
+                                      bool clearHistory,
+                                      const std::vector<std::string>& skip_actions) {
+  (void)context_recorder;
+  (void)alloc_trace_max_entries;
+  (void)when;
+  (void)clearHistory;
+  (void)skip_actions;
+  if (enabled) {
+    TORCH_WARN_ONCE(
+        "slotpool: memory history is accepted but not recorded yet; "
+        "torch.cuda.memory._snapshot() has segments but empty device_traces.");
+  }
+  history_enabled_.store(enabled);
+}
+
+void SlotpoolAllocator::attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) {
+  std::lock_guard<std::mutex> lk(observers_mu_);
+  oom_observers_.push_back(std::move(observer));
+}
+
+void SlotpoolAllocator::attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) {
+  // Kept, never called: slotpool records no trace entries yet.
+  std::lock_guard<std::mutex> lk(observers_mu_);
+  trace_trackers_.push_back(std::move(tracker));
+}
+
+CCA::ShareableHandle SlotpoolAllocator::shareIpcHandle(void* ptr) {
+  (void)ptr;
+  TORCH_CHECK(false,
+              "slotpool does not support CUDA IPC (shareIpcHandle): sharing CUDA tensors between "
+              "processes needs PyTorch's native allocator for now.");
+}
+
+std::shared_ptr<void> SlotpoolAllocator::getIpcDevPtr(std::string handle) {
+  (void)handle;
+  TORCH_CHECK(false,
+              "slotpool does not support CUDA IPC (getIpcDevPtr): receiving CUDA tensors from "
+              "other processes needs PyTorch's native allocator for now.");
+}
+
+void SlotpoolAllocator::enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) {
+  c10::cuda::CUDAGuard guard(dev);
+  cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();
+  } else {
+    C10_CUDA_CHECK(err);
+  }
+}
+
+cudaError_t SlotpoolAllocator::memcpyAsync(void* dst, int dstDevice, const void* src,
+                                           int srcDevice, size_t count, cudaStream_t stream,
+                                           bool p2p_enabled) {
+  (void)p2p_enabled;
+  // slotpool's vmm memory is mapped for its own device only (peer access to it is not granted
+  // through cudaDeviceEnablePeerAccess), so copies between devices always take the peer path,
+  // which works for every kind of memory.
+  if (dstDevice == srcDevice) {
+    return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+  }
+  return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+}
+
+std::string SlotpoolAllocator::name() {
+  return "slotpool";
+}
+
+// ------------------------------------------------------------------------------------------------
+// Installation
+
+SlotpoolAllocator* instance() {
+  return g_instance.load(std::memory_order_acquire);
+}
+
+std::shared_ptr<SlotpoolAllocator> instance_shared() {
+  std::lock_guard<std::mutex> lk(g_install_mu);
+  return g_owner;
+}
+
+std::shared_ptr<SlotpoolAllocator> install(std::optional<std::string> backend,
+                                           std::optional<std::string> conf) {
+  std::lock_guard<std::mutex> lk(g_install_mu);
+  if (g_owner) {
+    return g_owner;
+  }
+  auto a = std::make_shared<SlotpoolAllocator>(std::move(backend), std::move(conf));
+  try {
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false,
+                "slotpool_torch.install() must run before CUDA is initialised (before the first "
+                "CUDA tensor or torch.cuda.init()); PyTorch said: ",
+                e.what_without_backtrace());
+  }
+  // changeCurrentAllocator alone leaves c10's allocator registry on the native allocator (measured
+  // on PyTorch 2.11); code reaching the allocator through c10::GetAllocator(kCUDA) needs this.
+  c10::SetAllocator(c10::DeviceType::CUDA, a.get(), 255);
+  g_owner = a;
+  g_instance.store(a.get(), std::memory_order_release);
+  return a;
+}
+
+bool registry_is_ours() {
+  SlotpoolAllocator* a = instance();
+  return a != nullptr && c10::GetAllocator(c10::DeviceType::CUDA) == static_cast<c10::Allocator*>(a);
+}
+
+}  // namespace slotpool_torch

@@ -1,0 +1,272 @@
+// slotpool beneath PyTorch: a c10 CUDAAllocator that forwards every call to slotpool's C ABI
+// (include/slotpool.h, the only interface this shim uses).
+//
+// Built against PyTorch 2.11's exact virtual interface (c10/cuda/CUDACachingAllocator.h). The
+// vtable changes between PyTorch versions, so the extension records the torch version it was
+// built for and the Python package refuses to load it under any other.
+//
+// Design decisions (see docs/torch.md for the user-facing version):
+//
+//  * Routing (beginAllocateToPool). PyTorch passes a std::function filter, which a C ABI cannot
+//    take. PyTorch 2.11's CUDAGraph::capture_begin calls beginAllocateToPool *before*
+//    cudaStreamBeginCapture and its filter reads the capture id lazily, so the capture id does not
+//    exist yet when the route begins. The shim therefore keeps PyTorch's filters itself and
+//    evaluates them exactly as PyTorch does (oldest route first, the allocation's stream as the
+//    argument) whenever a route is active, allocating from the chosen pool with sp_pool_alloc. With
+//    no route active an allocation is a plain sp_alloc. slotpool is told about every route too, for
+//    its use counts, its "already recording" check and its capture safety: a filter that is a
+//    CUDA-graph capture filter (its type name names CUDAGraph, or it rejects the current stream at
+//    begin time, as a capture that has not started yet does) is registered as SP_ROUTE_CAPTURE with
+//    a capture id that never matches, so slotpool knows a capture is underway (no event queries,
+//    no releases) from before cudaStreamBeginCapture to endAllocateToPool, as PyTorch's allocator
+//    does; every other filter (use_mem_pool's thread filter, the current-stream and "all" filters)
+//    is registered as SP_ROUTE_CURRENT_THREAD.
+//
+//  * Checkpoints (getCheckpointState / setCheckpointPoolState). The state wraps an sp_checkpoint*.
+//    A restore returns PyTorch's native delta: ptrs_freed = every allocation of the pool that was
+//    live before the restore, dataptrs_allocd = every allocation live in the checkpoint, as owning
+//    DataPtrs with our deleter. slotpool itself leaves allocations that are live in both untouched;
+//    the shim reports them in both lists, as PyTorch's allocator does ("a pointer may appear in
+//    both"), so that CUDA graph trees' deleter bookkeeping works unchanged.
+//
+//  * Stale owners after slotpool's own restores (slotpool_torch.restore, variant groups). A restore
+//    frees allocations that tensors may still reference. Their pointers are remembered as
+//    "orphans" (a multiset); a free of an orphaned pointer consumes one orphan entry and frees
+//    nothing. The orphan check comes *before* sp_free: the address may already belong to a new
+//    allocation (that is the point of variant groups), and freeing it on behalf of the stale tensor
+//    would free the new owner's memory. Whichever of the two owners dies last frees the block.
+#pragma once
+
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAMacros.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "slotpool.h"
+
+namespace slotpool_torch {
+
+namespace CCA = c10::cuda::CUDACachingAllocator;
+using c10::MempoolId_t;
+
+inline sp_pool_id to_sp(MempoolId_t id) {
+  return sp_pool_id{static_cast<uint64_t>(id.first), static_cast<uint64_t>(id.second)};
+}
+inline MempoolId_t from_sp(sp_pool_id id) {
+  return MempoolId_t{id.a, id.b};
+}
+
+// A capture id that CUDA never hands out (ids count up from 1): slotpool routes registered with it
+// mark a capture as underway without matching any allocation (the shim routes those itself).
+constexpr uint64_t kNeverCaptureId = ~uint64_t{0};
+
+// The message of the latest failed slotpool call on this thread, copied.
+std::string last_error();
+// "SP_ERR_...: <message>" for a failed status, copied at once.
+std::string describe(sp_status st);
+// Throws c10::Error (TORCH_CHECK) for a failed status; `what` names the call.
+void check(sp_status st, const char* what);
+
+// One allocation: address and size.
+using PtrSize = std::pair<void*, size_t>;
+
+// What one of slotpool's own restores did (slotpool_torch.restore, variant groups).
+struct RestoreResult {
+  std::vector<PtrSize> freed;    // live before, freed by the restore (now orphans)
+  std::vector<PtrSize> created;  // re-created by the restore (freed again at once if asked)
+};
+
+// getCheckpointState's AllocatorState: owns one sp_checkpoint.
+struct CheckpointState : public CCA::AllocatorState {
+  CheckpointState(int device, sp_pool_id pool, sp_checkpoint* cp)
+      : device(device), pool(pool), cp(cp) {}
+  ~CheckpointState() override;
+  CheckpointState(const CheckpointState&) = delete;
+  CheckpointState& operator=(const CheckpointState&) = delete;
+
+  int device;
+  sp_pool_id pool;
+  sp_checkpoint* cp;
+};
+
+// A variant group of slotpool (sp_variant_group_*), owned.
+struct VariantGroup {
+  VariantGroup(int device, sp_pool_id pool, size_t count, sp_variant_group* g)
+      : device(device), pool(pool), count(count), g(g) {}
+  ~VariantGroup();
+  VariantGroup(const VariantGroup&) = delete;
+  VariantGroup& operator=(const VariantGroup&) = delete;
+
+  // Begin variant k: the pool goes back to the group's checkpoint; see RestoreResult.
+  RestoreResult begin(size_t k, bool free_created);
+  void end();
+  void close();
+
+  int device;
+  sp_pool_id pool;
+  size_t count;
+  sp_variant_group* g;
+  std::optional<size_t> active;
+  std::mutex mu;
+};
+
+// One route the shim evaluates (beginAllocateToPool's filter).
+struct Route {
+  MempoolId_t id;
+  std::function<bool(cudaStream_t)> filter;
+  bool capture;      // registered with slotpool as a capture route
+  std::string kind;  // "capture" | "thread/stream/all" (for diagnostics)
+};
+
+class SlotpoolAllocator final : public CCA::CUDAAllocator {
+ public:
+  SlotpoolAllocator(std::optional<std::string> backend, std::optional<std::string> conf);
+  ~SlotpoolAllocator() override = default;
+
+  // ---- c10::Allocator ----
+  c10::DataPtr allocate(size_t nbytes) override;
+  c10::DeleterFnPtr raw_deleter() const override;
+  void copy_data(void* dest, const void* src, std::size_t count) const override;
+
+  // ---- c10::DeviceAllocator ----
+  bool initialized() override;
+  void emptyCache(MempoolId_t mempool_id = {0, 0}) override;
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override;
+  void resetAccumulatedStats(c10::DeviceIndex device) override;
+  void resetPeakStats(c10::DeviceIndex device) override;
+
+  // ---- CUDAAllocator ----
+  void* raw_alloc(size_t nbytes) override;
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override;
+  void raw_delete(void* ptr) override;
+  void init(int device_count) override;
+  double getMemoryFraction(c10::DeviceIndex device) override;
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override;
+  std::vector<CCA::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex device) override;
+  void enable(bool value) override;
+  bool isEnabled() const override;
+  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override;
+  void* getBaseAllocation(void* ptr, size_t* size) override;
+  using CCA::CUDAAllocator::recordStream;
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override;
+  CCA::SnapshotInfo snapshot(MempoolId_t mempool_id = {0, 0}, bool include_traces = true) override;
+  void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override;
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override;
+  void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override;
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override;
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                          std::shared_ptr<CCA::CUDAAllocator> allocator = nullptr) override;
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) override;
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override;
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
+                                const std::unordered_set<void*>& expected_live_allocations) override;
+  CCA::ShareableHandle shareIpcHandle(void* ptr) override;
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override;
+  bool isHistoryEnabled() override;
+  void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, CCA::RecordContext when, bool clearHistory,
+                     const std::vector<std::string>& skip_actions) override;
+  void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override;
+  void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override;
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override;
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override;
+  std::shared_ptr<CCA::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          MempoolId_t id) override;
+  CCA::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                              std::shared_ptr<CCA::AllocatorState> pps) override;
+  std::string name() override;
+
+  // ---- used by the Python bindings ----
+  // Initialises slotpool (sp_init with the backend and conf given at install) unless it is.
+  void ensure_initialized();
+  // Frees ptr (the deleter's path). Orphans are consumed first; throw_on_error: raw_delete's
+  // semantics (throw), else a warning (deleters must not throw).
+  void free_ptr(void* ptr, bool throw_on_error);
+  // Record restore-freed pointers as orphans; free re-created ones if asked.
+  RestoreResult absorb_delta(sp_restore_delta* delta, bool free_created);
+  // slotpool_torch.restore: slotpool's own semantics (survivors untouched).
+  RestoreResult restore(int device, sp_pool_id pool, const CheckpointState& cp,
+                        const std::vector<void*>& keep_live, bool free_created);
+  // slotpool_torch.checkpoint (also getCheckpointState's core).
+  std::shared_ptr<CheckpointState> take_checkpoint(int device, sp_pool_id pool);
+  size_t orphan_count();
+  std::vector<std::pair<MempoolId_t, std::string>> routes(int device);
+  // Options the shim last set on a pool (slotpool has no getter; sp_pool_set_options replaces all).
+  sp_pool_options& pool_options_locked(int device, sp_pool_id pool);
+  std::mutex& pool_options_mutex() { return options_mu_; }
+  // The allocated blocks of pool on device, from slotpool's snapshot.
+  std::vector<void*> pool_live_allocations(int device, sp_pool_id pool);
+  int device_count() const { return device_count_.load(); }
+
+ private:
+  void* malloc_impl(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
+  [[noreturn]] void throw_oom(c10::DeviceIndex device, size_t nbytes, const std::string& msg);
+  sp_pool_id route_for(c10::DeviceIndex device, cudaStream_t stream);
+  bool consume_orphan(void* ptr);
+  void check_device(c10::DeviceIndex device) const;
+
+  std::optional<std::string> backend_;
+  std::optional<std::string> conf_;
+  std::atomic<bool> initialized_{false};
+  std::atomic<bool> sp_ready_{false};
+  std::mutex init_mu_;
+  std::atomic<int> device_count_{0};
+  std::atomic<bool> enabled_{true};
+  std::atomic<bool> history_enabled_{false};
+
+  struct DeviceRoutes {
+    std::shared_mutex mu;
+    std::vector<Route> list;        // PyTorch's captures_underway: evaluated oldest first
+    std::atomic<int> active{0};     // list.size(), read without the lock on the hot path
+  };
+  std::array<DeviceRoutes, C10_COMPILE_TIME_MAX_GPUS> routes_;
+
+  std::mutex orphan_mu_;
+  std::unordered_map<void*, size_t> orphans_;
+  std::atomic<size_t> n_orphans_{0};
+
+  std::mutex options_mu_;
+  std::map<std::tuple<int, uint64_t, uint64_t>, sp_pool_options> pool_options_;
+
+  std::mutex observers_mu_;
+  std::vector<CCA::OutOfMemoryObserver> oom_observers_;
+  std::vector<CCA::AllocatorTraceTracker> trace_trackers_;
+};
+
+// The deleter of every DataPtr the allocator hands out (raw_deleter()).
+void slotpool_delete(void* ptr);
+
+// The installed allocator, or nullptr.
+SlotpoolAllocator* instance();
+std::shared_ptr<SlotpoolAllocator> instance_shared();
+
+// Creates the allocator and installs it as PyTorch's CUDA allocator (changeCurrentAllocator and
+// c10::SetAllocator(kCUDA, ..., 255)). Must run before CUDA is initialised. Idempotent.
+std::shared_ptr<SlotpoolAllocator> install(std::optional<std::string> backend,
+                                           std::optional<std::string> conf);
+
+// True if c10::GetAllocator(kCUDA) is ours (the probe found changeCurrentAllocator alone does not
+// update that registry).
+bool registry_is_ours();
+
+// The torch version the extension was compiled against (SLOTPOOL_TORCH_VERSION_STR).
+const char* built_for_torch();
+
+}  // namespace slotpool_torch

@@ -1,0 +1,338 @@
+"""slotpool beneath PyTorch.
+
+    import slotpool_torch
+    slotpool_torch.install()          # before the first CUDA allocation
+    import torch
+    x = torch.randn(1024, device="cuda")   # served by slotpool
+
+or, for a whole script: ``python -m slotpool_torch script.py args``.
+
+Beyond PyTorch's own API (memory_stats, MemPool, CUDA graphs, torch.compile's graph trees, ...),
+this module exposes what slotpool adds: named pools, checkpoint/restore of a pool, variant groups
+(mutually exclusive CUDA-graph variants sharing one pool and the same addresses) and slot-aliased
+arenas. See docs/torch.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Iterable, NamedTuple
+
+import torch
+
+from . import _loader
+
+__all__ = [
+    "install",
+    "is_installed",
+    "load",
+    "named_pool",
+    "release_pool",
+    "pool_use_count",
+    "pool_stats",
+    "empty_pool_cache",
+    "use_pool",
+    "checkpoint",
+    "restore",
+    "verify_live",
+    "variant_group",
+    "VariantGroup",
+    "Arena",
+    "RestoreResult",
+    "routes",
+    "orphan_count",
+]
+
+_ext = None
+_ext_lock = threading.Lock()
+
+
+def load(verbose: bool = False):
+    """The C++ extension (built just in time from a source checkout if not installed). Loading it
+    does not initialise CUDA."""
+    global _ext
+    if _ext is None:
+        with _ext_lock:
+            if _ext is None:
+                _ext = _loader.load_extension(verbose=verbose)
+    return _ext
+
+
+def install(backend: str | None = "cuda", conf: str | None = None, verbose: bool = False) -> None:
+    """Make slotpool PyTorch's CUDA allocator. Call before anything initialises CUDA (the first CUDA
+    tensor, torch.cuda.init(), torch.cuda.current_device(), ...). Idempotent.
+
+    backend: slotpool's backend ("cuda"; None: $SLOTPOOL_BACKEND). conf: slotpool's configuration
+    string ("key:value,...", over $SLOTPOOL_CONF; PyTorch's PYTORCH_CUDA_ALLOC_CONF does not apply).
+    """
+    ext = load(verbose=verbose)
+    if ext.is_installed():
+        return
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "slotpool_torch.install() must run before CUDA is initialised, but CUDA is already "
+            "initialised (a CUDA tensor was created, or torch.cuda.init()/current_device() ran). "
+            "Call it at the top of the program, or run the script with "
+            "`python -m slotpool_torch script.py`."
+        )
+    ext.install(backend, conf)
+
+
+def is_installed() -> bool:
+    return _ext is not None and _ext.is_installed()
+
+
+def _installed_ext():
+    ext = load()
+    if not ext.is_installed():
+        raise RuntimeError("slotpool_torch: call slotpool_torch.install() first")
+    return ext
+
+
+def _device(device) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, torch.device):
+        return device.index if device.index is not None else torch.cuda.current_device()
+    if isinstance(device, str):
+        return _device(torch.device(device))
+    return int(device)
+
+
+def _pool(pool) -> tuple[int, int]:
+    """A pool id from a tuple, a torch.cuda.MemPool or anything with .pool / .id."""
+    if isinstance(pool, VariantGroup):
+        return pool.pool
+    if isinstance(pool, torch.cuda.MemPool):
+        return tuple(pool.id)
+    if isinstance(pool, (tuple, list)) and len(pool) == 2:
+        return (int(pool[0]), int(pool[1]))
+    raise TypeError(f"slotpool_torch: not a pool id: {pool!r} (a (int, int) tuple or a MemPool)")
+
+
+def _storage_ptrs(tensors: Iterable[torch.Tensor]) -> list[int]:
+    ptrs = []
+    seen = set()
+    for t in tensors:
+        p = t.untyped_storage().data_ptr()
+        if p and p not in seen:
+            seen.add(p)
+            ptrs.append(p)
+    return ptrs
+
+
+# ------------------------------------------------------------------------------------------------
+# Pools
+
+
+def named_pool(name: str, device=None, no_split: bool = False, use_on_oom: bool = False,
+               limit_bytes: int = 0) -> tuple[int, int]:
+    """The pool called `name` on `device` (created with these options if new), with one more use.
+    Returns its id, usable wherever PyTorch takes a pool: ``torch.cuda.graph(g, pool=...)``,
+    ``make_graphed_callables(..., pool=...)``, :func:`use_pool`. Drop the use with
+    :func:`release_pool`."""
+    ext = _installed_ext()
+    return tuple(ext.pool_named(_device(device), name, no_split, use_on_oom, int(limit_bytes)))
+
+
+def release_pool(pool, device=None) -> int:
+    """Drop one use of a pool; returns the uses left (at 0 its cache goes back on empty_cache)."""
+    return _installed_ext().pool_release(_device(device), _pool(pool))
+
+
+def pool_use_count(pool, device=None) -> int:
+    return _installed_ext().pool_use_count(_device(device), _pool(pool))
+
+
+def pool_stats(pool, device=None) -> dict:
+    """The statistics of one pool, with torch.cuda.memory_stats()'s keys."""
+    return dict(_installed_ext().pool_stats(_device(device), _pool(pool)))
+
+
+def empty_pool_cache(pool, device=None) -> None:
+    """Return one pool's unused cached memory to the device, even while the pool is in use."""
+    _installed_ext().pool_empty_cache(_device(device), _pool(pool))
+
+
+@contextlib.contextmanager
+def use_pool(pool, device=None):
+    """Route this thread's allocations to `pool` (torch.cuda.use_mem_pool for any pool id)."""
+    _installed_ext()
+    dev = _device(device)
+    pid = _pool(pool)
+    torch._C._cuda_beginAllocateCurrentThreadToPool(dev, pid)
+    try:
+        yield pid
+    finally:
+        torch._C._cuda_endAllocateToPool(dev, pid)
+        torch._C._cuda_releasePool(dev, pid)
+
+
+def routes(device=None) -> list:
+    """Active routes of the shim on `device`: [((a, b), kind)], oldest first."""
+    return list(_installed_ext().routes(_device(device)))
+
+
+def orphan_count() -> int:
+    """Pointers freed by restores whose stale owners have not been dropped yet."""
+    return _installed_ext().orphan_count()
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoint / restore
+
+
+class RestoreResult(NamedTuple):
+    freed: list  # [(ptr, size)]: live before, freed by the restore (tensors on them are stale)
+    created: list  # [(ptr, size)]: re-created by the restore (freed again unless kept)
+
+
+def checkpoint(pool, device=None):
+    """A checkpoint of `pool`: its segments, how they are split, which blocks are live. Free it
+    with ``cp.free()`` (or drop it); while it lives the pool keeps its segments."""
+    return _installed_ext().checkpoint(_device(device), _pool(pool))
+
+
+def restore(pool, cp, keep_tensors: Iterable[torch.Tensor] = (), device=None,
+            free_created: bool = True) -> RestoreResult:
+    """Return `pool` to checkpoint `cp`. Allocations made since are freed: tensors still holding
+    them become stale (do not read them; dropping them is safe). `keep_tensors` must survive at
+    their addresses (checked: the restore fails, changing nothing, if the checkpoint does not have
+    them). A transaction: on failure nothing changes and the error lists the differences."""
+    ext = _installed_ext()
+    dev = _device(device) if device is not None else cp.device
+    torch.cuda.synchronize(dev)
+    d = ext.restore(dev, _pool(pool), cp, _storage_ptrs(keep_tensors), free_created)
+    return RestoreResult(list(d["freed"]), list(d["created"]))
+
+
+def verify_live(pool, tensors: Iterable[torch.Tensor], device=None) -> tuple[bool, str]:
+    """Whether the live allocations of `pool` are exactly the storages of `tensors`."""
+    ok, why = _installed_ext().verify_live(_device(device), _pool(pool), _storage_ptrs(tensors))
+    return bool(ok), why
+
+
+# ------------------------------------------------------------------------------------------------
+# Variant groups
+
+
+class VariantGroup:
+    """N mutually exclusive variants (one CUDA graph or graph set each) captured into one pool.
+    Capture of every variant starts from the pool as it was when the group was made, so all
+    variants reuse the same addresses and the pool holds the largest variant, not the sum.
+
+        with slotpool_torch.variant_group(None, 4) as grp:
+            for k, x in enumerate(inputs):
+                with grp.variant(k):
+                    graphed[k] = torch.cuda.make_graphed_callables(layer, (x,), pool=grp.pool)
+        # replay any graphed[k], in any order, one at a time
+
+    The promise is the caller's: never replay two variants concurrently, and treat a variant's
+    outputs as overwritten once another variant has been replayed."""
+
+    def __init__(self, pool, count: int, device=None):
+        ext = _installed_ext()
+        self.device = _device(device)
+        self._own_pool = pool is None or isinstance(pool, str)
+        if pool is None:
+            pool = f"slotpool_torch.variant_group.{id(self):x}"
+        self.pool = named_pool(pool, self.device) if isinstance(pool, str) else _pool(pool)
+        self.count = int(count)
+        self._g = ext.variant_group(self.device, self.pool, self.count)
+        self.last_restore: RestoreResult | None = None
+
+    @contextlib.contextmanager
+    def variant(self, k: int):
+        """Capture variant k inside this block (pass ``pool=group.pool`` to the capture)."""
+        torch.cuda.synchronize(self.device)
+        d = self._g.begin(int(k), True)
+        self.last_restore = RestoreResult(list(d["freed"]), list(d["created"]))
+        try:
+            yield self
+        finally:
+            torch.cuda.synchronize(self.device)
+            self._g.end()
+
+    @property
+    def active(self):
+        return self._g.active
+
+    def close(self) -> None:
+        """End the group (the graphs captured stay valid and keep their memory)."""
+        if self._g is not None:
+            self._g.close()
+            self._g = None
+            if self._own_pool:
+                release_pool(self.pool, self.device)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def variant_group(pool, count: int, device=None) -> VariantGroup:
+    """A :class:`VariantGroup` of `count` variants on `pool` (a pool id, a MemPool, a pool name, or
+    None for a fresh named pool). Use as a context manager."""
+    return VariantGroup(pool, count, device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Arenas
+
+
+class Arena:
+    """A slot-aliased arena in a pool: slot s of every branch has the same address; the arena's
+    size is the maximum over branches. Branches are mutually exclusive users (the caller's
+    promise)."""
+
+    def __init__(self, pool, stream=None, device=None):
+        ext = _installed_ext()
+        self.device = _device(device)
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        self.stream = int(stream.cuda_stream) if hasattr(stream, "cuda_stream") else int(stream)
+        self.pool = _pool(pool)
+        self.id = ext.arena_create(self.device, self.pool, self.stream)
+        self._alive = True
+
+    def empty(self, branch: int, slot: int, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised tensor at (branch, slot); the slot is freed when the tensor dies."""
+        shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (int(shape),)
+        numel = math.prod(shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if numel <= 0:
+            raise ValueError("slotpool_torch: an arena tensor needs at least one element")
+        raw = _installed_ext().arena_tensor(self.device, self.id, int(branch), int(slot), numel * itemsize)
+        return raw.view(dtype).view(shape)
+
+    def alloc(self, branch: int, slot: int, size: int) -> int:
+        """Raw allocation at (branch, slot): its address (free with :meth:`free`)."""
+        return _installed_ext().arena_alloc(self.device, self.id, int(branch), int(slot), int(size))
+
+    def free(self, branch: int, slot: int) -> None:
+        _installed_ext().arena_free(self.device, self.id, int(branch), int(slot))
+
+    def destroy(self) -> None:
+        if self._alive:
+            self._alive = False
+            _installed_ext().arena_destroy(self.device, self.id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+        return False
+
+
+def built_for_torch() -> str:
+    return load().built_for_torch()
+
+
+def slotpool_version() -> tuple[int, int, int]:
+    return tuple(load().slotpool_version())

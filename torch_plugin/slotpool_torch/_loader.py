@@ -1,0 +1,182 @@
+"""Finding libslotpool.so and loading (or building) the C++ extension.
+
+Order:
+  1. SLOTPOOL_TORCH_JIT=1: build from source with torch.utils.cpp_extension.load.
+  2. The installed extension (``pip install --no-build-isolation ./torch_plugin``): ``slotpool_torch._C``.
+  3. Otherwise, from a source checkout: build just in time into a cache directory keyed by the
+     torch and Python versions (``SLOTPOOL_TORCH_BUILD_DIR`` overrides it).
+
+The extension records ``torch.__version__`` at build time; loading it under another torch is
+refused (PyTorch's allocator interface changes between versions).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import time
+
+import torch
+
+PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+PLUGIN_DIR = os.path.dirname(PKG_DIR)  # torch_plugin/ in a source checkout
+REPO_DIR = os.path.dirname(PLUGIN_DIR)
+CSRC_DIR = os.path.join(PLUGIN_DIR, "csrc")
+SOURCES = ("slotpool_allocator.cpp", "module.cpp")
+
+REBUILD_HINT = (
+    "Rebuild it against the torch you run: `pip install --no-build-isolation --force-reinstall "
+    "./torch_plugin`, or from a source checkout set SLOTPOOL_TORCH_JIT=1 to build it just in time."
+)
+
+_lib_handle = None
+_lib_path = None
+
+
+def find_lib() -> str:
+    """Path of libslotpool.so: $SLOTPOOL_LIB (the file or its directory), else next to this
+    package, else ../../target/release of a source checkout."""
+    env = os.environ.get("SLOTPOOL_LIB")
+    if env:
+        path = env if os.path.isfile(env) else os.path.join(env, "libslotpool.so")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"slotpool_torch: SLOTPOOL_LIB={env!r}: no libslotpool.so there")
+        return os.path.abspath(path)
+    candidates = [
+        os.path.join(PKG_DIR, "libslotpool.so"),
+        os.path.join(REPO_DIR, "target", "release", "libslotpool.so"),
+    ]
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        "slotpool_torch: libslotpool.so not found; build it (`cargo build --release -p "
+        "slotpool-capi`) or set SLOTPOOL_LIB. Looked in: " + ", ".join(candidates)
+    )
+
+
+def find_include() -> str:
+    """Directory holding slotpool.h: $SLOTPOOL_INCLUDE, else include/ of a source checkout."""
+    env = os.environ.get("SLOTPOOL_INCLUDE")
+    candidates = [env] if env else [os.path.join(REPO_DIR, "include")]
+    for d in candidates:
+        if d and os.path.isfile(os.path.join(d, "slotpool.h")):
+            return os.path.abspath(d)
+    raise FileNotFoundError(
+        "slotpool_torch: slotpool.h not found (set SLOTPOOL_INCLUDE); looked in " + ", ".join(map(str, candidates))
+    )
+
+
+def preload_lib() -> str:
+    """dlopen libslotpool.so with RTLD_GLOBAL, so the extension binds to this copy whatever its
+    rpath says (the loader reuses an already loaded SONAME)."""
+    global _lib_handle, _lib_path
+    if _lib_handle is None:
+        path = find_lib()
+        _lib_handle = ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
+        _lib_path = path
+    return _lib_path
+
+
+def lib_path() -> str | None:
+    return _lib_path
+
+
+def _versions_match(built: str, running: str) -> bool:
+    if built == running:
+        return True
+    # A build without the recorded local tag knows only major.minor.patch.
+    if "+" not in built and running.split("+")[0] == built:
+        return True
+    return False
+
+
+def check_version(mod, origin: str) -> None:
+    built = mod.built_for_torch()
+    running = torch.__version__
+    if not _versions_match(built, running):
+        raise RuntimeError(
+            f"slotpool_torch: the extension at {origin} was built for torch {built}, but torch "
+            f"{running} is running. {REBUILD_HINT}"
+        )
+
+
+def default_build_dir() -> str:
+    env = os.environ.get("SLOTPOOL_TORCH_BUILD_DIR")
+    if env:
+        return env
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    tag = re.sub(r"[^A-Za-z0-9._-]", "_", torch.__version__)
+    return os.path.join(cache, "slotpool_torch", f"torch-{tag}-py{sys.version_info[0]}{sys.version_info[1]}")
+
+
+def build_jit(verbose: bool = False):
+    """Build (or reuse) the extension with torch.utils.cpp_extension.load from torch_plugin/csrc."""
+    from torch.utils.cpp_extension import load
+
+    if not all(os.path.isfile(os.path.join(CSRC_DIR, s)) for s in SOURCES):
+        raise ImportError(
+            f"slotpool_torch: no C++ sources at {CSRC_DIR} (not a source checkout) and no installed "
+            "extension; install it with `pip install --no-build-isolation ./torch_plugin`."
+        )
+    lib = preload_lib()
+    libdir = os.path.dirname(lib)
+    include = find_include()
+    build_dir = default_build_dir()
+    os.makedirs(build_dir, exist_ok=True)
+    # with_cuda=True makes cpp_extension compute CUDA arch flags, which queries the GPUs and so
+    # initialises CUDA unless TORCH_CUDA_ARCH_LIST is set; the flags only matter for .cu files
+    # (there are none here), so pin it for the build and keep CUDA uninitialised for install().
+    saved_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not saved_arch:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    t0 = time.time()
+    try:
+        mod = load(
+            name="slotpool_torch_C",
+            sources=[os.path.join(CSRC_DIR, s) for s in SOURCES],
+            extra_cflags=[
+                "-O2",
+                "-fvisibility=hidden",
+                f"-DSLOTPOOL_TORCH_VERSION_STR={torch.__version__}",
+            ],
+            extra_include_paths=[include, CSRC_DIR],
+            extra_ldflags=[f"-L{libdir}", "-lslotpool", f"-Wl,-rpath,{libdir}"],
+            build_directory=build_dir,
+            with_cuda=True,
+            verbose=verbose,
+        )
+    finally:
+        if not saved_arch:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+    if verbose:
+        print(f"slotpool_torch: extension ready in {time.time() - t0:.1f}s ({build_dir})", file=sys.stderr)
+    check_version(mod, build_dir)
+    return mod
+
+
+def load_extension(verbose: bool = False):
+    """The extension module (see the module docstring for the order)."""
+    if os.environ.get("SLOTPOOL_TORCH_JIT") == "1":
+        return build_jit(verbose)
+    installed = None
+    try:
+        spec = importlib.util.find_spec("slotpool_torch._C")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        preload_lib()
+        try:
+            installed = importlib.import_module("slotpool_torch._C")
+        except ImportError as e:
+            raise ImportError(
+                f"slotpool_torch: the installed extension ({spec.origin}) does not load under torch "
+                f"{torch.__version__}: {e}. {REBUILD_HINT}"
+            ) from e
+        check_version(installed, spec.origin or "slotpool_torch._C")
+        return installed
+    return build_jit(verbose)
