@@ -403,7 +403,8 @@ sp_status sp_pool_live_count(int device, sp_pool_id id, size_t* out);
  *  *left (may be NULL) receives the frees still pending. */
 sp_status sp_pool_drain_pending_frees(int device, sp_pool_id id, size_t* left);
 /** Checks every invariant of device's allocator: SP_ERR_INVALID_STATE names the first broken
- *  one. O(blocks); meant for tests. */
+ *  one. O(blocks); meant for tests, and only meaningful while no other thread uses the device
+ *  (it visits the state piece by piece). */
 sp_status sp_check_invariants(int device);
 
 /* ------------------------------------------------------------------------------------------ */

@@ -88,6 +88,9 @@ if has torch_uncached; then
   fi
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 LD_PRELOAD=$LIB/libslotpool_preload.so SLOTPOOL_BACKEND=cuda \
     SLOTPOOL_LOG=info OUT=$OUT run gpt2_preload 400 python3 benches/gpu/trace_workloads.py gpt2_train
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 LD_PRELOAD=$LIB/libslotpool_preload.so SLOTPOOL_BACKEND=cuda \
+    SLOTPOOL_CONF=vmm_slack_percent:8 SLOTPOOL_LOG=info OUT=$OUT \
+    run gpt2_preload_slack8 400 python3 benches/gpu/trace_workloads.py gpt2_train
 fi
 
 if has alloc_bench; then
@@ -102,7 +105,8 @@ fi
 
 if has torch; then
   if [ -f benches/gpu/torch_scenarios.py ]; then
-    OUT=$OUT run torch_scenarios 900 python3 benches/gpu/torch_scenarios.py
+    SLOTPOOL_TORCH_BUILD_DIR=${SLOTPOOL_TORCH_BUILD_DIR:-/tmp/slotpool-torch-ext} OUT=$OUT \
+      run torch_scenarios "${TORCH_TIMEOUT:-540}" python3 benches/gpu/torch_scenarios.py ${TORCH_SCENARIOS:-}
     grep '^{' "$OUT/torch_scenarios.log" | sed 's/^{/{"step": "torch", /' >>"$RES"
   fi
 fi

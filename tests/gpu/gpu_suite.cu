@@ -365,12 +365,23 @@ int main() {
   sp_backend_name(&name);
   std::printf("{\"test\": \"init\", \"ok\": true, \"backend\": \"%s\"}\n", name ? name : "?");
   CK(cudaFree(0));
+  auto invariants = [](const char* after) {
+    sp_status st = sp_check_invariants(0);
+    std::string extra = std::string("\"after\": \"") + after + "\"";
+    if (st != SP_OK) extra += ", \"error\": \"" + sp_err() + "\"";
+    report("invariants", st == SP_OK, extra);
+  };
   pattern_integrity_strict();
+  invariants("pattern_integrity");
   cross_stream_reuse_after_events();
+  invariants("cross_stream_reuse_after_events");
   vmm_page_reuse();
+  invariants("vmm_page_reuse");
   oom_at_limit();
+  invariants("oom_at_limit");
   host_cost();
   capture_routing();
+  invariants("capture_routing");
   std::printf("{\"test\": \"summary\", \"failed\": %d}\n", failures);
   return failures;
 }

@@ -96,6 +96,9 @@ impl Device for SimDev {
     fn synchronize_event(&self, event: EventHandle) -> DeviceResult<()> {
         self.inner.synchronize_event(event)
     }
+    fn synchronize(&self) -> DeviceResult<()> {
+        self.inner.synchronize()
+    }
     fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {
         self.inner.stream_wait_event(stream, event)
     }

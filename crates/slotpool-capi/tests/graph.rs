@@ -25,7 +25,8 @@ fn alloc_in(p: sp_pool_id, size: usize) -> *mut c_void {
 
 #[test]
 fn checkpoint_restore_round_trip_and_delta() {
-    setup();
+    // sp_check_invariants needs the device to itself.
+    let _quiet = exclusive(SHARED);
     let p = pool(9001);
     // SAFETY: NULL options and count are allowed.
     ok(unsafe { sp_pool_create_or_incref(SHARED, p, null(), null_mut()) });
@@ -142,7 +143,7 @@ fn checkpoint_restore_round_trip_and_delta() {
 
 #[test]
 fn variant_group_reuses_addresses() {
-    setup();
+    let _quiet = exclusive(SHARED);
     let p = pool(9100);
     let mut g = null_mut();
     // SAFETY: valid out-pointer.
@@ -184,7 +185,7 @@ fn variant_group_reuses_addresses() {
 
 #[test]
 fn arenas_alias_slots() {
-    setup();
+    let _quiet = exclusive(SHARED);
     let p = pool(9200);
     let mut ar = 0u64;
     // SAFETY: valid out-pointer.

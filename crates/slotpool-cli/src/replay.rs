@@ -28,6 +28,10 @@ pub trait ReplayTarget {
     fn free(&mut self, ptr: u64) -> Result<(), String>;
     /// Current (allocated bytes, reserved/physical bytes) after the last operation.
     fn sample(&self) -> (u64, u64);
+    /// Backend calls made so far, by name (for targets that count them).
+    fn backend_calls(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
 }
 
 impl<T: ReplayTarget + ?Sized> ReplayTarget for Box<T> {
@@ -40,6 +44,9 @@ impl<T: ReplayTarget + ?Sized> ReplayTarget for Box<T> {
     fn sample(&self) -> (u64, u64) {
         (**self).sample()
     }
+    fn backend_calls(&self) -> Vec<(String, u64)> {
+        (**self).backend_calls()
+    }
 }
 
 impl<T: ReplayTarget + ?Sized> ReplayTarget for &mut T {
@@ -51,6 +58,9 @@ impl<T: ReplayTarget + ?Sized> ReplayTarget for &mut T {
     }
     fn sample(&self) -> (u64, u64) {
         (**self).sample()
+    }
+    fn backend_calls(&self) -> Vec<(String, u64)> {
+        (**self).backend_calls()
     }
 }
 
@@ -139,6 +149,8 @@ pub struct ReplayReport {
     pub ns_per_free: u64,
     /// 99th percentile of the host time of one target `alloc` call, ns.
     pub ns_per_alloc_p99: u64,
+    /// Backend calls during the replay (segment, page, map and event calls), by name.
+    pub backend_calls: std::collections::BTreeMap<String, u64>,
     /// 99th percentile of the host time of one target `free` call, ns.
     pub ns_per_free_p99: u64,
     /// Wall time of the whole replay loop, ms.
@@ -385,6 +397,7 @@ pub fn replay<T: ReplayTarget + ?Sized>(
         torch_peak_reserved as f64 / torch_peak_alloc as f64
     };
     Ok(ReplayReport {
+        backend_calls: target.backend_calls().into_iter().collect(),
         trace: trace.name(),
         source: trace.source.clone(),
         format: trace.format,

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use slotpool_core::{Allocator, Config, GrowthMode};
-use slotpool_sim::{Backing, SimConfig, SimDevice};
+use slotpool_sim::{Backing, CallKind, SimConfig, SimDevice};
 
 use crate::replay::ReplayTarget;
 
@@ -58,5 +58,13 @@ impl ReplayTarget for SlotpoolTarget {
 
     fn sample(&self) -> (u64, u64) {
         (self.alloc.allocated_bytes(), self.dev.physical_bytes())
+    }
+
+    fn backend_calls(&self) -> Vec<(String, u64)> {
+        CallKind::ALL
+            .iter()
+            .map(|&k| (k.name().to_string(), self.dev.calls(k)))
+            .filter(|(_, n)| *n > 0)
+            .collect()
     }
 }

@@ -196,6 +196,7 @@ impl<D: Device> Allocator<D> {
             pages: &self.pages,
             events: &self.events,
             vmm_reservation: self.vmm_reservation,
+            vmm_slack_percent: self.config.vmm_slack_percent,
             capture_underway: self.capture_underway(),
         }
     }
@@ -276,7 +277,8 @@ impl<D: Device> Allocator<D> {
         }
         // 3. Every unused cached byte on the device (never during a capture).
         if !self.capture_underway() {
-            self.release_all_cached(true, true);
+            let synced = self.dev.synchronize().is_ok();
+            self.release_all_cached(synced, true);
             self.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
             match attempt(&cell) {
                 Ok((id, addr)) => {
@@ -716,7 +718,8 @@ impl<D: Device> Allocator<D> {
     /// device (`torch.cuda.empty_cache`). Pools in use keep their cache: live graphs reference it.
     pub fn empty_cache(&self) {
         let _reclaim = lock(&self.reclaim);
-        self.release_all_cached(true, false);
+        let synced = !self.capture_underway() && self.dev.synchronize().is_ok();
+        self.release_all_cached(synced, false);
         self.release_page_pool();
         self.forget_freeable_pools();
     }
@@ -727,9 +730,10 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::UnknownPool(pool));
         }
         let _reclaim = lock(&self.reclaim);
+        let synced = !self.capture_underway() && self.dev.synchronize().is_ok();
         for cell in self.pool_shards(pool) {
             let env = self.env(&cell.pool_budget);
-            lock(&cell.shard).release_cached(&env, true, false);
+            lock(&cell.shard).release_cached(&env, synced, false);
         }
         self.release_page_pool();
         self.forget_freeable_pools();
@@ -850,7 +854,8 @@ impl<D: Device> Allocator<D> {
     // ----------------------------------------------------------------------------------------
     // Invariants
 
-    /// Check the whole state: every shard's invariants, then
+    /// Check the whole state (call it while no other thread uses the allocator: it visits the
+    /// shards one at a time): every shard's invariants, then
     ///
     /// 1. the pointer map holds exactly the allocated blocks, each under its address;
     /// 2. no two segments of any shards overlap;

@@ -89,6 +89,25 @@ impl PageTable {
             .is_some_and(|w| w & (1 << (p % 64)) != 0)
     }
 
+    /// Idle pages in descending order.
+    pub fn idle_pages_rev(&self) -> impl Iterator<Item = usize> + '_ {
+        self.idle_bits
+            .iter()
+            .enumerate()
+            .rev()
+            .flat_map(|(w, &bits)| {
+                let mut bits = bits;
+                std::iter::from_fn(move || {
+                    if bits == 0 {
+                        return None;
+                    }
+                    let b = 63 - bits.leading_zeros() as usize;
+                    bits &= !(1u64 << b);
+                    Some(w * 64 + b)
+                })
+            })
+    }
+
     /// Idle pages in ascending order.
     pub fn idle_pages(&self) -> impl Iterator<Item = usize> + '_ {
         self.idle_bits.iter().enumerate().flat_map(|(w, &bits)| {

@@ -137,6 +137,11 @@ pub trait Device: Send + Sync + 'static {
     /// Block the host until `event` completes (`cuEventSynchronize`).
     fn synchronize_event(&self, event: EventHandle) -> DeviceResult<()>;
 
+    /// Block the host until all work queued on the device so far has completed
+    /// (`cuCtxSynchronize`). Used by `empty_cache` and the OOM path instead of recording events
+    /// on streams that the program may have destroyed since.
+    fn synchronize(&self) -> DeviceResult<()>;
+
     /// Make future work on `stream` wait for `event` (`cuStreamWaitEvent`).
     fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()>;
 

@@ -118,6 +118,10 @@ pub struct Env<'a> {
     pub events: &'a EventPool,
     /// Size of each new vmm reservation (at least the request).
     pub vmm_reservation: u64,
+    /// Idle mapped memory a vmm shard may keep beyond its live bytes, in percent of them (0: none;
+    /// physical memory follows live bytes exactly, at the price of remapping pages when the
+    /// allocation pattern shifts).
+    pub vmm_slack_percent: f64,
     /// Some stream of this device is capturing: no event query, record or synchronise, no free or
     /// unmap (PyTorch's `captures_underway`).
     pub capture_underway: bool,
@@ -133,6 +137,15 @@ impl std::fmt::Debug for Env<'_> {
 }
 
 impl Env<'_> {
+    /// Idle bytes a shard with `live` live bytes may keep mapped (`vmm_slack_percent`, plus
+    /// 64 MiB when it is set).
+    pub fn vmm_slack(&self, live: u64) -> u64 {
+        if self.vmm_slack_percent <= 0.0 {
+            return 0;
+        }
+        (live as f64 * self.vmm_slack_percent / 100.0) as u64 + (64 << 20)
+    }
+
     pub fn page_size(&self) -> u64 {
         self.page_size
     }

@@ -653,13 +653,26 @@ impl Shard {
             pt.cover(end);
         }
         let mut got: Vec<PageHandle> = Vec::with_capacity(missing.len());
+        // Within the slack, a new page is preferred to moving an idle one: remapping costs two
+        // driver calls every time a workload's pattern shifts, and a little idle memory absorbs
+        // that churn. Beyond it, idle pages move to where they are needed.
+        let live = self.stats.active_bytes.all.current as u64 + size;
+        let slack = env.vmm_slack(live);
+        let mapped = self.stats.reserved_bytes.all.current as u64;
         while got.len() < missing.len() {
+            let within_slack = mapped + (got.len() as u64 + 1) * ps <= live + slack;
+            let reclaim = |s: &mut Self| {
+                allow_reclaim
+                    .then(|| s.reclaim_idle_page(env, (seg, first, end)))
+                    .flatten()
+            };
             let page = match env.pages.take() {
                 Some(p) => Ok(p),
-                None => match allow_reclaim
-                    .then(|| self.reclaim_idle_page(env, (seg, first, end)))
-                    .flatten()
-                {
+                None if within_slack => match env.new_page() {
+                    Ok(p) => Ok(p),
+                    Err(e) => reclaim(self).ok_or(e),
+                },
+                None => match reclaim(self) {
                     Some(p) => Ok(p),
                     None => env.new_page(),
                 },
@@ -743,7 +756,9 @@ impl Shard {
             if pt.idle_count == 0 {
                 continue;
             }
-            let found = pt.idle_pages().find(|&p| {
+            // Highest address first: best fit favours low addresses, so the pages up there are the
+            // least likely to be wanted back soon (taking low ones makes pages ping-pong).
+            let found = pt.idle_pages_rev().find(|&p| {
                 pt.idle_epoch[p] < self.safe_epoch
                     && !(sid == exclude.0 && p >= exclude.1 && p < exclude.2)
             });
@@ -792,27 +807,14 @@ impl Shard {
         advanced
     }
 
-    /// Wait until every page idle now is safe to unmap.
-    fn synchronize_epochs(&mut self, env: &Env<'_>) {
-        if env.capture_underway || !self.has_idle_pages() {
-            return;
-        }
-        if let Ok(ev) = env.events.get(env.dev) {
-            if env.dev.record_event(ev, self.stream).is_ok() {
-                self.epoch_events.push_back((self.epoch, ev));
-                self.epoch += 1;
-            } else {
-                env.events.put(ev);
-            }
-        }
-        while let Some((e, ev)) = self.epoch_events.pop_front() {
-            if env.dev.synchronize_event(ev).is_err() {
-                self.epoch_events.push_front((e, ev));
-                return;
-            }
+    /// The device was synchronised: every page idle now is safe to unmap. (No event is recorded
+    /// on the shard's stream here: the program may have destroyed it since.)
+    fn device_synchronized(&mut self, env: &Env<'_>) {
+        for (_, ev) in self.epoch_events.drain(..) {
             env.events.put(ev);
-            self.safe_epoch = e + 1;
         }
+        self.epoch += 1;
+        self.safe_epoch = self.epoch;
     }
 
     fn unmap_page(
@@ -843,8 +845,9 @@ impl Shard {
     // Releasing cached memory
 
     /// Return cached memory to the backend: whole free classic segments, idle vmm pages (to the
-    /// device page pool when `keep_pages`, else released), and empty vmm reservations. With
-    /// `synchronize`, first wait for pending events so that everything free can go.
+    /// device page pool when `keep_pages`, else released), and empty vmm reservations.
+    /// `synchronize` says the caller synchronised the device (`Device::synchronize`), so that
+    /// everything free can go; pending cross-stream events are waited for too.
     pub fn release_cached(
         &mut self,
         env: &Env<'_>,
@@ -858,7 +861,7 @@ impl Shard {
         self.prune_marks();
         if synchronize {
             self.synchronize_events(env);
-            self.synchronize_epochs(env);
+            self.device_synchronized(env);
         } else {
             self.process_events(env);
             self.advance_epoch(env);

@@ -51,6 +51,7 @@ const SYMBOLS: &[&str] = &[
     "cuEventRecord",
     "cuEventQuery",
     "cuEventSynchronize",
+    "cuCtxSynchronize",
     "cuStreamWaitEvent",
     "cuStreamGetCaptureInfo_v3",
     "cuThreadExchangeStreamCaptureMode",
@@ -614,6 +615,12 @@ impl Device for CudaDevice {
         call("cuEventSynchronize", || unsafe {
             sys::cuEventSynchronize(event_of(event))
         })
+    }
+
+    fn synchronize(&self) -> DeviceResult<()> {
+        let _ctx = self.enter()?;
+        // SAFETY: no arguments; the primary context is current (`enter`).
+        call("cuCtxSynchronize", || unsafe { sys::cuCtxSynchronize() })
     }
 
     fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {

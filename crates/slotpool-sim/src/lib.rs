@@ -437,6 +437,14 @@ impl Device for SimDevice {
         })
     }
 
+    fn synchronize(&self) -> DeviceResult<()> {
+        let rule = CaptureRule::NoCapture;
+        self.lock().call(CallKind::SynchronizeEvent, rule, |s| {
+            s.streams.complete_all();
+            Ok(())
+        })
+    }
+
     fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {
         let rule = CaptureRule::NotOn(stream);
         self.lock().call(CallKind::StreamWaitEvent, rule, |s| {
