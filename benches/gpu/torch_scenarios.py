@@ -432,13 +432,13 @@ def c_api(alloc, arg):
               ("memory_stats_keys", stats_keys), ("size0", size0), ("reset_peak", reset_peak),
               ("memory_summary", summary), ("empty_cache", empty_cache), ("raw_alloc", raw_alloc),
               ("mempool", mempool), ("mempool_options", mempool_options), ("record_stream", record_stream),
-              ("snapshot", snapshot), ("record_history", record_history), ("oom", oom), ("graph", graph),
+              ("snapshot", snapshot), ("record_history", record_history), ("graph", graph),
               ("graph_side_stream", graph_side_stream), ("graph_shared_pool", graph_shared_pool),
               ("graphed_callables", graphed_callables), ("cudnn_benchmark", cudnn_bench),
               ("memory_fraction", fraction), ("mem_get_info", mem_get_info),
               ("sp_named_pool", sp_named_pool), ("sp_checkpoint_restore", sp_checkpoint_restore),
               ("sp_arena", sp_arena), ("sp_variants_small", sp_variants_small),
-              ("compile_reduce_overhead", compile_ro)]
+              ("compile_reduce_overhead", compile_ro), ("oom", oom)]
     res = {"checks": run_checks(checks), "memory_stats_keys": keep.get("keys", [])}
     res["ok"] = all(v == "ok" for v in res["checks"].values())
     return res

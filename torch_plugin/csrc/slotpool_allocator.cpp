@@ -1,4 +1,6 @@
 // slotpool beneath PyTorch: implementation. See slotpool_allocator.h for the design decisions.
+#include <pybind11/pybind11.h>
+#include <optional>
 #include "slotpool_allocator.h"
 
 #include <c10/core/Allocator.h>
@@ -363,18 +365,25 @@ void SlotpoolAllocator::throw_oom(c10::DeviceIndex device, size_t nbytes, const 
                                      static_cast<size_t>(s.reserved_bytes.all.current),
                                      c10::Device(c10::DeviceType::CUDA, device));
   }
-  std::vector<CCA::OutOfMemoryObserver> observers;
   {
-    std::lock_guard<std::mutex> lk(observers_mu_);
-    observers = oom_observers_;
-  }
-  for (auto& obs : observers) {
-    try {
-      obs(device, nbytes, allowed, device_free);
-    } catch (const std::exception& e) {
-      TORCH_WARN("slotpool: an out-of-memory observer failed: ", e.what());
-    } catch (...) {
-      TORCH_WARN("slotpool: an out-of-memory observer failed");
+    // Observers registered from Python capture Python objects: copying and destroying them
+    // touches reference counts, so hold the GIL for the whole block (re-entrant if this thread
+    // already holds it).
+    std::optional<pybind11::gil_scoped_acquire> gil;
+    if (Py_IsInitialized()) gil.emplace();
+    std::vector<CCA::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> lk(observers_mu_);
+      observers = oom_observers_;
+    }
+    for (auto& obs : observers) {
+      try {
+        obs(device, nbytes, allowed, device_free);
+      } catch (const std::exception& e) {
+        TORCH_WARN("slotpool: an out-of-memory observer failed: ", e.what());
+      } catch (...) {
+        TORCH_WARN("slotpool: an out-of-memory observer failed");
+      }
     }
   }
   TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ",

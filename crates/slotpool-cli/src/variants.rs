@@ -4,7 +4,8 @@
 //! from the checkpoint taken before variant 0).
 //!
 //! Allocations between `capture_begin` and `capture_end` markers go to the capture pool of the
-//! current variant; all others to the default pool. The figure that matters is the growth of
+//! current variant; all others to the default pool. `empty_cache` runs at each `capture_begin`,
+//! as `torch.cuda.graph` does before capturing. The figure that matters is the growth of
 //! physical memory from the first `variant_begin` on, as PyTorch's "reserved growth caused by
 //! capture".
 
@@ -107,6 +108,8 @@ pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport
                 }
             }
             Action::CaptureBegin => {
+                // torch.cuda.graph's __enter__ empties the cache before every capture.
+                alloc.empty_cache();
                 in_capture = true;
                 captures += 1;
             }

@@ -87,3 +87,22 @@ fn a_trace_without_markers_is_an_error() {
     let e = replay_variants(&trace, VariantMode::Group).unwrap_err();
     assert!(e.contains("no variant_begin"), "{e}");
 }
+
+/// The trace recorded on the H200 by benches/gpu/record_graph_variants.py (separate mode; the
+/// request sequence is the same in every mode).
+#[test]
+fn recorded_h200_trace_pools_as_expected() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../benches/traces/graph_variants_separate.trace.csv.gz"
+    );
+    let trace = slotpool_cli::read_trace(path).unwrap();
+    let sep = replay_variants(&trace, VariantMode::Separate).unwrap();
+    let shared = replay_variants(&trace, VariantMode::Shared).unwrap();
+    let group = replay_variants(&trace, VariantMode::Group).unwrap();
+    assert_eq!((group.variants, group.captures), (4, 8));
+    assert!(sep.final_growth > shared.final_growth && shared.final_growth > group.final_growth);
+    // PyTorch on the H200: 5.32 GB separate, 3.10 GB shared.
+    assert!(group.final_growth < 3_100_000_000, "{group:?}");
+    assert!(sep.final_growth < 5_320_000_000, "{sep:?}");
+}
