@@ -38,6 +38,27 @@ pub struct Block {
 }
 
 impl Block {
+    /// A free block of `segment` covering [addr, addr + size), linked to `prev` and `next`.
+    pub fn free(
+        addr: DevicePtr,
+        size: u64,
+        segment: SegmentId,
+        prev: Option<BlockId>,
+        next: Option<BlockId>,
+    ) -> Block {
+        Block {
+            addr,
+            size,
+            requested: 0,
+            segment,
+            prev,
+            next,
+            state: BlockState::Free,
+            stream_uses: Vec::new(),
+            pending_events: 0,
+        }
+    }
+
     pub fn end(&self) -> DevicePtr {
         self.addr + self.size
     }

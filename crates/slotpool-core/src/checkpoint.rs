@@ -313,18 +313,9 @@ impl Shard {
             let Some(s) = self.segments.get(seg) else {
                 continue;
             };
-            let b = Block {
-                addr: s.addr,
-                size: s.size,
-                requested: 0,
-                segment: seg,
-                prev: None,
-                next: None,
-                state: BlockState::Free,
-                stream_uses: Vec::new(),
-                pending_events: 0,
-            };
-            let id = self.blocks.insert(b);
+            let id = self
+                .blocks
+                .insert(Block::free(s.addr, s.size, seg, None, None));
             self.segments[seg].first = id;
             fresh.push(id);
         }

@@ -302,17 +302,7 @@ impl Shard {
             first: usize::MAX,
             kind,
         });
-        let id = self.blocks.insert(Block {
-            addr,
-            size,
-            requested: 0,
-            segment: seg,
-            prev: None,
-            next: None,
-            state: BlockState::Free,
-            stream_uses: Vec::new(),
-            pending_events: 0,
-        });
+        let id = self.blocks.insert(Block::free(addr, size, seg, None, None));
         self.segments[seg].first = id;
         self.note(Undo::SegmentAdded(seg));
         self.note(Undo::Inserted(id));
@@ -344,17 +334,14 @@ impl Shard {
             if let Some(n) = self.blocks[id].next {
                 self.touch(n);
             }
-            let rest = self.blocks.insert(Block {
-                addr: addr + rounded,
-                size: size - rounded,
-                requested: 0,
-                segment: seg,
-                prev: Some(id),
-                next: self.blocks[id].next,
-                state: BlockState::Free,
-                stream_uses: Vec::new(),
-                pending_events: 0,
-            });
+            let next = self.blocks[id].next;
+            let rest = self.blocks.insert(Block::free(
+                addr + rounded,
+                size - rounded,
+                seg,
+                Some(id),
+                next,
+            ));
             self.note(Undo::Inserted(rest));
             if let Some(n) = self.blocks[id].next {
                 self.blocks[n].prev = Some(rest);
