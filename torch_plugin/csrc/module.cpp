@@ -234,7 +234,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   // ---- checkpoints ----
-  py::class_<sp::CheckpointState, std::shared_ptr<sp::CheckpointState>>(m, "Checkpoint")
+  // Declared as a subclass of torch's AllocatorState binding: torch._C._cuda_getCheckpointState
+  // returns our state, pybind11 finds this (most derived) registration, and the object must still
+  // be accepted by torch._C._cuda_setCheckpointPoolState (graph trees, reduce-overhead).
+  py::class_<sp::CheckpointState, c10::cuda::CUDACachingAllocator::AllocatorState,
+             std::shared_ptr<sp::CheckpointState>>(m, "Checkpoint")
       .def_property_readonly("device", [](const sp::CheckpointState& c) { return c.device; })
       .def_property_readonly("pool",
                              [](const sp::CheckpointState& c) { return Pool{c.pool.a, c.pool.b}; })
