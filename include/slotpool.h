@@ -317,8 +317,8 @@ sp_status sp_reset_accumulated_stats(int device);
 /** Writes a JSON snapshot of device (-1: every device) in the shape of PyTorch's
  *  torch.cuda.memory._snapshot(): {"segments":[...], "device_traces":[[]...]}. *out_json
  *  receives a NUL-terminated string owned by the caller (free with sp_string_free; NULL on
- *  failure); *len its length without the NUL (may be NULL). device_traces are empty in this
- *  version. */
+ *  failure); *len its length without the NUL (may be NULL). device_traces holds each device's
+ *  recorded history (sp_record_history), oldest first; frames are empty. */
 sp_status sp_snapshot_json(int device, char** out_json, size_t* len);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -402,6 +402,14 @@ sp_status sp_pool_live_count(int device, sp_pool_id id, size_t* out);
 /** Waits for the cross-stream events of pool id's pending frees (not during a capture);
  *  *left (may be NULL) receives the frees still pending. */
 sp_status sp_pool_drain_pending_frees(int device, sp_pool_id id, size_t* left);
+/** Records device's allocator events (alloc, free_requested, free_completed, segment_alloc,
+ *  segment_free, segment_map, segment_unmap, oom; PyTorch's trace actions and meanings) into a
+ *  ring of max_entries, oldest dropped first. 0 stops recording; recorded entries stay until
+ *  sp_clear_history. They appear in sp_snapshot_json's device_traces. */
+sp_status sp_record_history(int device, size_t max_entries);
+/** Forgets device's recorded history. */
+sp_status sp_clear_history(int device);
+
 /** Checks every invariant of device's allocator: SP_ERR_INVALID_STATE names the first broken
  *  one. O(blocks); meant for tests, and only meaningful while no other thread uses the device
  *  (it visits the state piece by piece). */

@@ -113,7 +113,7 @@ static void initialisation(void) {
     CHECK(major == SP_VERSION_MAJOR && minor == SP_VERSION_MINOR && patch == SP_VERSION_PATCH);
     CHECK(sp_has_feature("sim") == 1);
     CHECK(sp_has_feature("checkpoint") == 1);
-    CHECK(sp_has_feature("traces") == 0);
+    CHECK(sp_has_feature("traces") == 1);
     CHECK(sp_has_feature(NULL) == 0);
 }
 

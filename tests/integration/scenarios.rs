@@ -491,3 +491,42 @@ fn arena_slots_alias_across_branches() {
     assert_eq!(dev.physical_bytes(), 0);
     check_all(&dev, &a, &[]);
 }
+
+#[test]
+fn history_records_pytorch_trace_actions() {
+    use slotpool::core::TraceAction as A;
+    let (dev, a) = setup(GrowthMode::Classic, 64 * MIB);
+    let p = a.alloc(1000, 0).unwrap();
+    a.record_history(100);
+    let q = a.alloc(3 * MIB, 0).unwrap();
+    a.record_stream(q, 5).unwrap();
+    a.free(q).unwrap();
+    dev.complete_all();
+    a.process_events();
+    a.free(p).unwrap();
+    assert!(a.alloc(1 << 40, 0).is_err());
+    a.empty_cache();
+    let h = a.history();
+    let actions: Vec<A> = h.iter().map(|e| e.action).collect();
+    assert_eq!(
+        actions,
+        vec![
+            A::SegmentAlloc, // 20 MiB segment for the 3 MiB block
+            A::Alloc,
+            A::FreeRequested, // waits for stream 5
+            A::FreeCompleted,
+            A::FreeRequested,
+            A::FreeCompleted,
+            A::Oom,
+            A::SegmentFree,
+            A::SegmentFree,
+        ]
+    );
+    assert_eq!((h[1].addr, h[1].size), (q, 3 * MIB));
+    assert!(h.windows(2).all(|w| w[0].time_us <= w[1].time_us));
+    a.record_history(0);
+    let _ = a.alloc(512, 0).unwrap();
+    assert_eq!(a.history().len(), h.len(), "nothing recorded once stopped");
+    a.clear_history();
+    assert!(a.history().is_empty());
+}

@@ -162,7 +162,7 @@ pub const FEATURES: &[(&str, bool)] = &[
     ("checkpoint", true),
     ("arenas", true),
     ("variant_groups", true),
-    ("traces", false),
+    ("traces", true),
 ];
 
 // ------------------------------------------------------------------------------------------------

@@ -498,3 +498,25 @@ pub extern "C" fn sp_check_invariants(device: c_int) -> sp_status {
         Ok(())
     })
 }
+
+// ------------------------------------------------------------------------------------------------
+// History
+
+/// Records `device`'s allocator events into a ring of `max_entries` (0 stops recording; the
+/// entries stay until `sp_clear_history`). They appear in `sp_snapshot_json`'s `device_traces`.
+#[unsafe(no_mangle)]
+pub extern "C" fn sp_record_history(device: c_int, max_entries: usize) -> sp_status {
+    ffi(|| {
+        each!(runtime()?.device(device)?, a => a.record_history(max_entries));
+        Ok(())
+    })
+}
+
+/// Forgets `device`'s recorded history.
+#[unsafe(no_mangle)]
+pub extern "C" fn sp_clear_history(device: c_int) -> sp_status {
+    ffi(|| {
+        each!(runtime()?.device(device)?, a => a.clear_history());
+        Ok(())
+    })
+}

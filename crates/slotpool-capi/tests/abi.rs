@@ -48,7 +48,8 @@ fn version_features_and_backend() {
         assert_eq!(sp_has_feature(c"cuda".as_ptr()), 1);
         assert_eq!(sp_has_feature(c"vmm".as_ptr()), 1);
         assert_eq!(sp_has_feature(c"checkpoint".as_ptr()), 1);
-        assert_eq!(sp_has_feature(c"traces".as_ptr()), 0);
+        assert_eq!(sp_has_feature(c"traces".as_ptr()), 1);
+        assert_eq!(sp_has_feature(c"ipc".as_ptr()), 0);
         assert_eq!(sp_has_feature(c"no such thing".as_ptr()), 0);
         assert_eq!(sp_has_feature(ptr::null()), 0);
     }

@@ -229,3 +229,44 @@ fn arenas_alias_slots() {
     assert_eq!(left, 0);
     ok(sp_check_invariants(SHARED));
 }
+
+#[test]
+fn history_appears_in_the_snapshot() {
+    let _quiet = exclusive(SHARED);
+    ok(sp_record_history(SHARED, 64));
+    let mut p = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_alloc(SHARED, 3000, 0, &mut p) });
+    ok(sp_free(p));
+    ok(sp_record_history(SHARED, 0));
+    let (mut json, mut len) = (null_mut(), 0usize);
+    // SAFETY: valid out-pointers.
+    ok(unsafe { sp_snapshot_json(SHARED, &mut json, &mut len) });
+    // SAFETY: a NUL-terminated string from slotpool, freed below.
+    let text = unsafe { std::ffi::CStr::from_ptr(json) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: the string came from sp_snapshot_json.
+    ok(unsafe { sp_string_free(json) });
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let trace = v["device_traces"][SHARED as usize].as_array().unwrap();
+    let addr = p as u64;
+    let actions: Vec<&str> = trace
+        .iter()
+        .filter(|e| e["addr"] == addr)
+        .map(|e| e["action"].as_str().unwrap())
+        .filter(|a| !a.starts_with("segment_"))
+        .collect();
+    assert_eq!(
+        actions,
+        ["alloc", "free_requested", "free_completed"],
+        "{text}"
+    );
+    let alloc = trace
+        .iter()
+        .find(|e| e["action"] == "alloc" && e["addr"] == addr)
+        .unwrap();
+    assert_eq!(alloc["size"], 3000);
+    ok(sp_clear_history(SHARED));
+    expect(sp_record_history(99, 1), sp_status::SP_ERR_INVALID_ARGUMENT);
+}

@@ -70,6 +70,7 @@ pub struct Allocator<D: Device> {
     pub(crate) budget: Budget,
     pub(crate) pages: PagePool,
     pub(crate) events: EventPool,
+    pub(crate) history: crate::history::TraceRing,
     pub(crate) pools: Mutex<FxHashMap<PoolId, PoolEntry>>,
     next_named_pool: AtomicU64,
     pub(crate) routes: Mutex<Vec<Route>>,
@@ -122,6 +123,7 @@ impl<D: Device> Allocator<D> {
             budget: Budget::new(limit),
             pages: PagePool::default(),
             events: EventPool::default(),
+            history: Default::default(),
             pools: Mutex::new(pools),
             next_named_pool: AtomicU64::new(1),
             routes: Mutex::new(Vec::new()),
@@ -195,6 +197,7 @@ impl<D: Device> Allocator<D> {
             pool_budget,
             pages: &self.pages,
             events: &self.events,
+            trace: &self.history,
             vmm_reservation: self.vmm_reservation,
             vmm_slack_percent: self.config.vmm_slack_percent,
             capture_underway: self.capture_underway(),
@@ -223,6 +226,8 @@ impl<D: Device> Allocator<D> {
         if rounded > self.budget.limit() {
             // Can never fit: refuse before any bookkeeping is sized for it.
             self.num_ooms.fetch_add(1, Ordering::Relaxed);
+            self.history
+                .record(crate::history::TraceAction::Oom, 0, rounded, stream);
             return Err(AllocError::OutOfMemory(Box::new(
                 self.oom_report(size, rounded),
             )));
@@ -290,6 +295,8 @@ impl<D: Device> Allocator<D> {
             }
         }
         self.num_ooms.fetch_add(1, Ordering::Relaxed);
+        self.history
+            .record(crate::history::TraceAction::Oom, 0, rounded, stream);
         let report = self.oom_report(size, rounded);
         tracing::info!(%report, "out of memory");
         Err(AllocError::OutOfMemory(Box::new(report)))
@@ -962,6 +969,22 @@ impl<D: Device> Allocator<D> {
             self.pages.len()
         );
         out
+    }
+
+    /// Record allocator events into a ring of `max_entries` (0 stops recording), as
+    /// `torch.cuda.memory._record_memory_history` does.
+    pub fn record_history(&self, max_entries: usize) {
+        self.history.set(max_entries);
+    }
+
+    /// Forget the recorded history.
+    pub fn clear_history(&self) {
+        self.history.clear();
+    }
+
+    /// The recorded history, oldest first.
+    pub fn history(&self) -> Vec<crate::history::TraceEntry> {
+        self.history.entries()
     }
 
     /// Whether the configured growth mode is vmm.

@@ -116,6 +116,8 @@ pub struct Env<'a> {
     pub pool_budget: &'a Budget,
     pub pages: &'a PagePool,
     pub events: &'a EventPool,
+    /// The allocation history (recorded only while enabled).
+    pub trace: &'a crate::history::TraceRing,
     /// Size of each new vmm reservation (at least the request).
     pub vmm_reservation: u64,
     /// Idle mapped memory a vmm shard may keep beyond its live bytes, in percent of them (0: none;

@@ -27,6 +27,7 @@ pub mod config;
 pub mod device;
 pub mod env;
 pub mod error;
+pub mod history;
 pub mod id_slab;
 pub mod policy;
 pub mod pool;
@@ -45,6 +46,7 @@ pub use device::{
     CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PageHandle, StreamId,
 };
 pub use error::{AllocError, AllocResult, OomReport};
+pub use history::{TraceAction, TraceEntry};
 pub use pool::{PoolId, PoolOptions};
 pub use route::{RouteFilter, current_thread_id};
 pub use stats::{MemoryStats, Stat, StatArray};

@@ -10,6 +10,7 @@ use crate::checkpoint::{Mark, Undo};
 use crate::config::GrowthMode;
 use crate::device::{DeviceError, DevicePtr, EventHandle, PageHandle, StreamId};
 use crate::env::Env;
+use crate::history::TraceAction;
 use crate::policy::{self, SizePolicy};
 use crate::pool::PoolId;
 use crate::stats::MemoryStats;
@@ -282,6 +283,8 @@ impl Shard {
                 })?;
                 self.stats.reserved_bytes.update(small, size as i64);
                 self.stats.num_device_alloc += 1;
+                env.trace
+                    .record(TraceAction::SegmentAlloc, addr, size, self.stream);
                 if env.policy.is_oversize(size) {
                     self.stats.oversize_segments.update(1);
                 }
@@ -355,6 +358,8 @@ impl Shard {
         b.state = BlockState::Allocated;
         b.requested = requested;
         let size = b.size;
+        env.trace
+            .record(TraceAction::Alloc, addr, requested, self.stream);
         if vmm {
             self.pages_live(env, seg, addr, size, 1);
         }
@@ -392,6 +397,9 @@ impl Shard {
         };
         self.stats.allocation.update(small, -1);
         self.stats.allocated_bytes.update(small, -(size as i64));
+        let b = &self.blocks[id];
+        env.trace
+            .record(TraceAction::FreeRequested, b.addr, b.requested, self.stream);
         if oversize {
             self.stats.oversize_allocations.update(-1);
         }
@@ -523,6 +531,8 @@ impl Shard {
             r
         };
         let small = self.segments[seg].small;
+        env.trace
+            .record(TraceAction::FreeCompleted, addr, requested, self.stream);
         let st = &mut self.stats;
         st.active.update(small, -1);
         st.active_bytes.update(small, -(size as i64));
@@ -702,6 +712,12 @@ impl Shard {
             };
             pt.handle[p] = Some(h);
             pt.mapped_count += 1;
+            env.trace.record(
+                TraceAction::SegmentMap,
+                seg_addr + p as u64 * ps,
+                ps,
+                self.stream,
+            );
             if pt.live[p] == 0 {
                 pt.set_idle(p, true);
                 pt.idle_epoch[p] = self.epoch;
@@ -819,6 +835,8 @@ impl Shard {
         };
         let h = pt.handle[p].ok_or(ShardError::BadBlock("page not mapped"))?;
         env.dev.unmap(addr)?;
+        env.trace
+            .record(TraceAction::SegmentUnmap, addr, ps, self.stream);
         pt.handle[p] = None;
         pt.mapped_count -= 1;
         pt.set_idle(p, false);
@@ -917,6 +935,8 @@ impl Shard {
         self.segments.remove(seg);
         self.stats.segment.update(small, -1);
         if !vmm {
+            env.trace
+                .record(TraceAction::SegmentFree, addr, size, self.stream);
             env.budget.release(size);
             self.stats.reserved_bytes.update(small, -(size as i64));
             self.stats.num_device_free += 1;
