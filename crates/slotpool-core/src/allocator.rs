@@ -1,23 +1,23 @@
 //! `Allocator`: one device's caching allocator, thread-safe.
 //!
 //! The state lives in [`Shard`]s, one per (pool, stream), each behind its own mutex, so that
-//! different streams and pools never contend. A sharded pointer map finds the shard of a pointer
-//! on free; a thread-local cache finds the shard of (pool, stream) on allocation without touching
-//! a shared lock. Lock order is written down in [`crate::sync`].
+//! different streams and pools never contend. A thread-local cache names the shard the thread
+//! last allocated from: allocation uses it in place, and a free looks there first (each shard
+//! maps its own live pointers). Other frees find their shard in a registry of segment ranges,
+//! which changes only when segments come and go. Lock order is written down in [`crate::sync`].
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use rustc_hash::FxHashMap;
 
-use crate::block::BlockId;
 use crate::config::{Config, GrowthMode};
 use crate::device::{CaptureStatus, Device, DevicePtr, StreamId};
 use crate::env::{Budget, Env, EventPool, PagePool};
 use crate::error::{AllocError, AllocResult, OomReport};
 use crate::pool::{PoolId, PoolOptions};
-use crate::ptr_map::PtrMap;
 use crate::route::{Route, RouteFilter, current_thread_id};
 use crate::shard::{Shard, ShardError};
 use crate::stats::MemoryStats;
@@ -78,7 +78,9 @@ pub struct Allocator<D: Device> {
     captures_active: AtomicUsize,
     pub(crate) shards: Mutex<FxHashMap<(PoolId, StreamId), ShardRef>>,
     generation: AtomicU64,
-    pub(crate) ptrs: PtrMap<(ShardRef, BlockId)>,
+    /// Every segment's address range and its shard, to find the shard of a pointer that the
+    /// calling thread's cached shard does not own. Written only when segments come and go.
+    pub(crate) segments: RwLock<BTreeMap<DevicePtr, (DevicePtr, Weak<ShardCell>)>>,
     /// Taken by the OOM and cache-emptying paths, which visit every shard one at a time.
     pub(crate) reclaim: Mutex<()>,
     num_alloc_retries: AtomicI64,
@@ -131,7 +133,7 @@ impl<D: Device> Allocator<D> {
             captures_active: AtomicUsize::new(0),
             shards: Mutex::new(FxHashMap::default()),
             generation: AtomicU64::new(0),
-            ptrs: PtrMap::new(),
+            segments: RwLock::new(BTreeMap::new()),
             reclaim: Mutex::new(()),
             num_alloc_retries: AtomicI64::new(0),
             num_ooms: AtomicI64::new(0),
@@ -232,19 +234,100 @@ impl<D: Device> Allocator<D> {
                 self.oom_report(size, rounded),
             )));
         }
-        let cell = self.shard_for(pool, stream)?;
-        let result = {
-            let env = self.env(&cell.pool_budget);
-            lock(&cell.shard).alloc(&env, rounded, size)
+        // The thread's cached shard, used in place (no reference count traffic).
+        let generation = self.generation.load(Ordering::Acquire);
+        let fast = LAST_SHARD
+            .try_with(|c| {
+                let c = c.borrow();
+                let e = c.as_ref()?;
+                (e.allocator == self.uid
+                    && e.generation == generation
+                    && e.pool == pool
+                    && e.stream == stream)
+                    .then(|| self.alloc_on(&e.shard, rounded, size))
+            })
+            .ok()
+            .flatten();
+        let result = match fast {
+            Some(r) => r,
+            None => {
+                let cell = self.shard_for(pool, stream)?;
+                self.alloc_on(&cell, rounded, size)
+            }
         };
         match result {
-            Ok((id, addr)) => {
-                self.ptrs.insert(addr, (cell, id));
-                Ok(addr)
+            Ok(addr) => Ok(addr),
+            Err(ShardError::OutOfMemory) => {
+                let cell = self.shard_for(pool, stream)?;
+                self.alloc_after_oom(cell, pool, stream, rounded, size)
             }
-            Err(ShardError::OutOfMemory) => self.alloc_after_oom(cell, pool, stream, rounded, size),
             Err(e) => Err(shard_error(e)),
         }
+    }
+
+    /// Allocate in one shard, registering any segment it added.
+    fn alloc_on(&self, cell: &ShardRef, rounded: u64, size: u64) -> Result<DevicePtr, ShardError> {
+        let env = self.env(&cell.pool_budget);
+        let mut s = lock(&cell.shard);
+        let r = s.alloc(&env, rounded, size).map(|(_, addr)| addr);
+        self.register_segments(cell, &mut s);
+        r
+    }
+
+    /// Release a shard's cache, unregistering the segments it gave back.
+    fn release_on(&self, cell: &ShardRef, synchronize: bool, keep_pages: bool) {
+        let env = self.env(&cell.pool_budget);
+        let mut s = lock(&cell.shard);
+        s.release_cached(&env, synchronize, keep_pages);
+        self.register_segments(cell, &mut s);
+    }
+
+    /// Bring the segment registry up to date with a shard's changes (called under its lock).
+    fn register_segments(&self, cell: &ShardRef, s: &mut Shard) {
+        if s.seg_log.is_empty() {
+            return;
+        }
+        let mut reg = self.segments.write().unwrap_or_else(|e| e.into_inner());
+        for (addr, size, added) in s.seg_log.drain(..) {
+            if added {
+                reg.insert(addr, (addr + size, Arc::downgrade(cell)));
+            } else {
+                reg.remove(&addr);
+            }
+        }
+    }
+
+    /// Run `f` on the shard that holds the allocation at `ptr`, locked; `None` if no shard does.
+    /// The calling thread's cached shard is tried first, then the segment registry.
+    pub(crate) fn with_owner<R>(
+        &self,
+        ptr: DevicePtr,
+        mut f: impl FnMut(&ShardRef, &mut Shard) -> R,
+    ) -> Option<R> {
+        let fast = LAST_SHARD
+            .try_with(|c| {
+                let c = c.borrow();
+                let e = c.as_ref().filter(|e| e.allocator == self.uid)?;
+                let mut s = lock(&e.shard.shard);
+                s.lookup(ptr)?;
+                Some(f(&e.shard, &mut s))
+            })
+            .ok()
+            .flatten();
+        if fast.is_some() {
+            return fast;
+        }
+        let cell = {
+            let reg = self.segments.read().unwrap_or_else(|e| e.into_inner());
+            let (_, (end, owner)) = reg.range(..=ptr).next_back()?;
+            if ptr >= *end {
+                return None;
+            }
+            owner.upgrade()?
+        };
+        let mut s = lock(&cell.shard);
+        s.lookup(ptr)?;
+        Some(f(&cell, &mut s))
     }
 
     /// PyTorch's retry ladder: free this pool's cache, try `use_on_oom` pools, free every unused
@@ -258,25 +341,17 @@ impl<D: Device> Allocator<D> {
         size: u64,
     ) -> AllocResult<DevicePtr> {
         let _reclaim = lock(&self.reclaim);
-        let attempt = |cell: &ShardRef| -> Result<(BlockId, DevicePtr), ShardError> {
-            let env = self.env(&cell.pool_budget);
-            lock(&cell.shard).alloc(&env, rounded, size)
-        };
+        let attempt = |cell: &ShardRef| self.alloc_on(cell, rounded, size);
         // 1. This shard's own cache.
-        {
-            let env = self.env(&cell.pool_budget);
-            lock(&cell.shard).release_cached(&env, false, true);
-        }
-        if let Ok((id, addr)) = attempt(&cell) {
-            self.ptrs.insert(addr, (cell, id));
+        self.release_on(&cell, false, true);
+        if let Ok(addr) = attempt(&cell) {
             return Ok(addr);
         }
         // 2. Free blocks of pools marked use_on_oom, on the same stream.
         for other in self.use_on_oom_pools(pool) {
             if let Some(oc) = self.existing_shard(other, stream)
-                && let Ok((id, addr)) = attempt(&oc)
+                && let Ok(addr) = attempt(&oc)
             {
-                self.ptrs.insert(addr, (oc, id));
                 return Ok(addr);
             }
         }
@@ -286,8 +361,7 @@ impl<D: Device> Allocator<D> {
             self.release_all_cached(synced, true);
             self.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
             match attempt(&cell) {
-                Ok((id, addr)) => {
-                    self.ptrs.insert(addr, (cell, id));
+                Ok(addr) => {
                     return Ok(addr);
                 }
                 Err(ShardError::OutOfMemory) => {}
@@ -328,34 +402,27 @@ impl<D: Device> Allocator<D> {
     /// Free a pointer returned by [`Allocator::alloc`]. Unknown pointers and double frees are
     /// rejected and change nothing.
     pub fn free(&self, ptr: DevicePtr) -> AllocResult<()> {
-        let Some((cell, id)) = self.ptrs.remove(ptr) else {
-            return Err(AllocError::UnknownPointer(ptr));
-        };
-        let env = self.env(&cell.pool_budget);
-        let r = lock(&cell.shard).free(&env, id);
-        r.map_err(|e| {
-            // Cannot happen while the pointer map and the shards agree; keep the entry so that
-            // the invariant checker reports it.
-            self.ptrs.insert(ptr, (cell.clone(), id));
-            shard_error(e)
-        })
+        self.with_owner(ptr, |cell, s| s.free(&self.env(&cell.pool_budget), ptr))
+            .ok_or(AllocError::UnknownPointer(ptr))?
+            .map_err(shard_error)
     }
 
     /// Note that `ptr` is used on `stream` (`Tensor.record_stream`): it is reused on another
     /// stream only after the work queued on `stream` before its free has completed.
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> AllocResult<()> {
-        let (cell, id) = self.ptrs.get(ptr).ok_or(AllocError::UnknownPointer(ptr))?;
-        lock(&cell.shard)
-            .record_stream(id, stream)
+        self.with_owner(ptr, |_, s| s.record_stream(ptr, stream))
+            .ok_or(AllocError::UnknownPointer(ptr))?
             .map_err(shard_error)
     }
 
     /// (base, size) of the live allocation that starts at `ptr`.
     pub fn allocation_info(&self, ptr: DevicePtr) -> AllocResult<(DevicePtr, u64, u64)> {
-        let (cell, id) = self.ptrs.get(ptr).ok_or(AllocError::UnknownPointer(ptr))?;
-        let s = lock(&cell.shard);
-        let b = s.block(id).ok_or(AllocError::UnknownPointer(ptr))?;
-        Ok((b.addr, b.size, b.requested))
+        self.with_owner(ptr, |_, s| {
+            let b = s.block(s.lookup(ptr)?)?;
+            Some((b.addr, b.size, b.requested))
+        })
+        .flatten()
+        .ok_or(AllocError::UnknownPointer(ptr))
     }
 
     /// Retire completed cross-stream events in every shard.
@@ -739,8 +806,7 @@ impl<D: Device> Allocator<D> {
         let _reclaim = lock(&self.reclaim);
         let synced = !self.capture_underway() && self.dev.synchronize().is_ok();
         for cell in self.pool_shards(pool) {
-            let env = self.env(&cell.pool_budget);
-            lock(&cell.shard).release_cached(&env, synced, false);
+            self.release_on(&cell, synced, false);
         }
         self.release_page_pool();
         self.forget_freeable_pools();
@@ -761,8 +827,7 @@ impl<D: Device> Allocator<D> {
             if !freeable.contains(&pool) {
                 continue;
             }
-            let env = self.env(&cell.pool_budget);
-            lock(&cell.shard).release_cached(&env, synchronize, keep_pages);
+            self.release_on(&cell, synchronize, keep_pages);
         }
     }
 
@@ -864,7 +929,8 @@ impl<D: Device> Allocator<D> {
     /// Check the whole state (call it while no other thread uses the allocator: it visits the
     /// shards one at a time): every shard's invariants, then
     ///
-    /// 1. the pointer map holds exactly the allocated blocks, each under its address;
+    /// 1. the segment registry holds exactly the shards' segments, each with its shard (every
+    ///    shard's own live map is its invariant 8);
     /// 2. no two segments of any shards overlap;
     /// 3. physical bytes held equal classic segments + mapped pages + cached pages;
     /// 4. each pool's budget equals what its shards hold.
@@ -873,7 +939,6 @@ impl<D: Device> Allocator<D> {
         let ps = self.page_size;
         let shards = self.all_shards();
         let mut ranges = Vec::new();
-        let mut allocated = 0usize;
         let mut held = self.pages.len() as u64 * ps;
         let mut per_pool: FxHashMap<PoolId, u64> = FxHashMap::default();
         for (pool, bytes) in self.arena_bytes() {
@@ -887,28 +952,31 @@ impl<D: Device> Allocator<D> {
             let reserved = s.stats.reserved_bytes.all.current as u64;
             held += reserved;
             *per_pool.entry(pool).or_default() += reserved;
-            for (sid, seg) in s.segments() {
+            let reg = self.segments.read().unwrap_or_else(|e| e.into_inner());
+            for (_, seg) in s.segments() {
                 ranges.push((seg.addr, seg.addr + seg.size));
-                for (id, b) in s.segment_blocks(sid) {
-                    if b.state == crate::block::BlockState::Allocated {
-                        allocated += 1;
-                        match self.ptrs.get(b.addr) {
-                            Some((c, bid)) if Arc::ptr_eq(&c, cell) && bid == id => {}
-                            _ => {
-                                return Err(format!(
-                                    "1: allocated block at {:#x} missing from the pointer map",
-                                    b.addr
-                                ));
-                            }
-                        }
+                match reg.get(&seg.addr) {
+                    Some((end, owner))
+                        if *end == seg.addr + seg.size
+                            && owner.upgrade().is_some_and(|c| Arc::ptr_eq(&c, cell)) => {}
+                    _ => {
+                        return Err(format!(
+                            "1: segment {:#x} of shard {pool}/{stream} is not registered",
+                            seg.addr
+                        ));
                     }
                 }
             }
         }
-        if self.ptrs.len() != allocated {
+        let registered = self
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .len();
+        if registered != ranges.len() {
             return Err(format!(
-                "1: pointer map has {} entries for {allocated} allocated blocks",
-                self.ptrs.len()
+                "1: {registered} segments registered, {} in shards",
+                ranges.len()
             ));
         }
         ranges.sort_unstable();

@@ -130,10 +130,6 @@ pub(crate) struct Plan {
     pub freed: Vec<(DevicePtr, u64)>,
     /// Allocated at the checkpoint, not now.
     pub created: Vec<(DevicePtr, u64)>,
-    /// Every allocated block after the restore among the touched ones: (address, id).
-    pub survivors: Vec<(DevicePtr, BlockId)>,
-    /// Addresses whose pointer-map entries go away.
-    pub dropped: Vec<DevicePtr>,
 }
 
 impl Shard {
@@ -242,13 +238,11 @@ impl Shard {
             if then.get(&addr).is_none_or(|t| t.0 != size) {
                 plan.freed.push((addr, size));
             }
-            plan.dropped.push(addr);
         }
-        for (&addr, &(size, id)) in &then {
+        for (&addr, &(size, _)) in &then {
             if now.get(&addr).is_none_or(|n| n.0 != size) {
                 plan.created.push((addr, size));
             }
-            plan.survivors.push((addr, id));
         }
         for &(addr, id) in keep {
             let size = self.blocks.get(id).map_or(0, |b| b.size);
@@ -289,8 +283,12 @@ impl Shard {
         for (id, _) in &plan.images {
             if let Some(b) = self.blocks.get(*id).cloned() {
                 self.account(env, &b, -1);
-                if b.state == BlockState::Free {
-                    self.index_remove(*id);
+                match b.state {
+                    BlockState::Free => self.index_remove(*id),
+                    BlockState::Allocated => {
+                        self.live.remove(&b.addr);
+                    }
+                    BlockState::PendingFree => {}
                 }
             }
         }
@@ -322,8 +320,12 @@ impl Shard {
         for (id, img) in &plan.images {
             if let Some(b) = img {
                 self.account(env, b, 1);
-                if b.state == BlockState::Free {
-                    self.index_insert(*id);
+                match b.state {
+                    BlockState::Free => self.index_insert(*id),
+                    BlockState::Allocated => {
+                        self.live.insert(b.addr, *id);
+                    }
+                    BlockState::PendingFree => {}
                 }
             }
         }

@@ -31,7 +31,6 @@ pub mod history;
 pub mod id_slab;
 pub mod policy;
 pub mod pool;
-pub mod ptr_map;
 pub mod route;
 pub mod shard;
 pub mod stats;

@@ -3,6 +3,8 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
+use rustc_hash::FxHashMap;
+
 use crate::id_slab::IdSlab;
 
 use crate::block::{Block, BlockId, BlockState, PageTable, Segment, SegmentId, SegmentKind};
@@ -62,6 +64,7 @@ pub struct Released {
 ///    non-free block overlaps is mapped; a page is idle exactly when mapped with `live == 0`;
 ///    counts match the bitmaps.
 /// 7. Statistics equal a recount of the blocks and segments.
+/// 8. The live map holds exactly the `Allocated` blocks, each under its address.
 #[derive(Debug)]
 pub struct Shard {
     pub pool: PoolId,
@@ -83,6 +86,10 @@ pub struct Shard {
     /// Undo log of block changes since the oldest live checkpoint mark (see `checkpoint.rs`).
     pub(crate) journal: Vec<Undo>,
     pub(crate) marks: Vec<Mark>,
+    /// Allocated blocks by address: `free(ptr)` finds its block here, under the shard's lock.
+    pub(crate) live: FxHashMap<DevicePtr, BlockId>,
+    /// Segments added (true) or released (false) since the allocator last looked: (addr, size).
+    pub(crate) seg_log: Vec<(DevicePtr, u64, bool)>,
     pub stats: MemoryStats,
 }
 
@@ -111,6 +118,8 @@ impl Shard {
             epoch_events: VecDeque::new(),
             journal: Vec::new(),
             marks: Vec::new(),
+            live: FxHashMap::default(),
+            seg_log: Vec::new(),
             stats,
         }
     }
@@ -145,6 +154,12 @@ impl Shard {
             .iter()
             .filter(|(_, b)| b.state != BlockState::Free)
             .count()
+    }
+
+    /// The allocated block that starts at `ptr`.
+    #[inline]
+    pub fn lookup(&self, ptr: DevicePtr) -> Option<BlockId> {
+        self.live.get(&ptr).copied()
     }
 
     /// Frees waiting on cross-stream events or on the end of a capture.
@@ -307,6 +322,7 @@ impl Shard {
         });
         let id = self.blocks.insert(Block::free(addr, size, seg, None, None));
         self.segments[seg].first = id;
+        self.seg_log.push((addr, size, true));
         self.note(Undo::SegmentAdded(seg));
         self.note(Undo::Inserted(id));
         self.index_insert(id);
@@ -360,6 +376,7 @@ impl Shard {
         let size = b.size;
         env.trace
             .record(TraceAction::Alloc, addr, requested, self.stream);
+        self.live.insert(addr, id);
         if vmm {
             self.pages_live(env, seg, addr, size, 1);
         }
@@ -379,14 +396,12 @@ impl Shard {
     // Freeing
 
     /// The user frees block `id`. It becomes free at once unless other streams used it.
-    pub fn free(&mut self, env: &Env<'_>, id: BlockId) -> Result<(), ShardError> {
-        let b = self
-            .blocks
-            .get(id)
-            .ok_or(ShardError::BadBlock("unknown block"))?;
-        if b.state != BlockState::Allocated {
-            return Err(ShardError::BadBlock("block is not allocated"));
-        }
+    pub fn free(&mut self, env: &Env<'_>, ptr: DevicePtr) -> Result<(), ShardError> {
+        let id = self
+            .live
+            .remove(&ptr)
+            .ok_or(ShardError::BadBlock("unknown pointer"))?;
+        let b = &self.blocks[id];
         let (size, small, oversize) = {
             let seg = &self.segments[b.segment];
             (
@@ -418,17 +433,14 @@ impl Shard {
     }
 
     /// Note that `stream` uses block `id` (`record_stream`); the own stream is ignored.
-    pub fn record_stream(&mut self, id: BlockId, stream: StreamId) -> Result<(), ShardError> {
+    pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), ShardError> {
+        let id = self
+            .lookup(ptr)
+            .ok_or(ShardError::BadBlock("unknown pointer"))?;
         if stream == self.stream {
             return Ok(());
         }
-        let b = self
-            .blocks
-            .get(id)
-            .ok_or(ShardError::BadBlock("unknown block"))?;
-        if b.state != BlockState::Allocated {
-            return Err(ShardError::BadBlock("block is not allocated"));
-        }
+        let b = &self.blocks[id];
         if !b.stream_uses.contains(&stream) {
             self.touch(id);
             self.blocks[id].stream_uses.push(stream);
@@ -933,6 +945,7 @@ impl Shard {
         self.index_remove(first);
         self.blocks.remove(first);
         self.segments.remove(seg);
+        self.seg_log.push((addr, size, false));
         self.stats.segment.update(small, -1);
         if !vmm {
             env.trace
@@ -1118,6 +1131,22 @@ impl Shard {
                     .reserved_bytes
                     .update(small, (mapped as u64 * page_size) as i64);
             }
+        }
+        let allocated = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.state == BlockState::Allocated)
+            .count();
+        let wrong = self.live.iter().any(|(&a, &id)| {
+            self.blocks
+                .get(id)
+                .is_none_or(|b| b.addr != a || b.state != BlockState::Allocated)
+        });
+        if allocated != self.live.len() || wrong {
+            return Err(format!(
+                "8: the live map has {} entries for {allocated} allocated blocks (wrong entry: {wrong})",
+                self.live.len()
+            ));
         }
         if seen != self.blocks.len() {
             return Err(format!(

@@ -123,16 +123,16 @@ impl<D: Device> Allocator<D> {
         // keep_live grouped by shard.
         let mut keeps: Vec<(ShardRef, DevicePtr, usize)> = Vec::new();
         for &p in keep_live {
-            match self.ptrs.get(p) {
-                Some((cell, id)) => {
-                    if lock(&cell.shard).pool != pool {
+            match self.with_owner(p, |cell, s| (cell.clone(), s.pool, s.lookup(p))) {
+                Some((cell, owner, Some(id))) => {
+                    if owner != pool {
                         diff.mismatches
                             .push(format!("{p:#x} belongs to another pool"));
                     } else {
                         keeps.push((cell, p, id));
                     }
                 }
-                None => diff
+                _ => diff
                     .mismatches
                     .push(format!("{p:#x} is not a live allocation")),
             }
@@ -167,12 +167,6 @@ impl<D: Device> Allocator<D> {
         for ((cell, shard), plan) in cells.iter().zip(guards.iter_mut()).zip(&plans) {
             let env = self.env(&cell.pool_budget);
             shard.restore_apply(&env, plan);
-            for &addr in &plan.dropped {
-                self.ptrs.remove(addr);
-            }
-            for &(addr, id) in &plan.survivors {
-                self.ptrs.insert(addr, (cell.clone(), id));
-            }
             delta.freed.extend_from_slice(&plan.freed);
             delta.created.extend_from_slice(&plan.created);
         }
