@@ -166,96 +166,54 @@ static void cross_stream_reuse_after_events() {
 // capture stays valid.
 static void capture_routing() {
   cudaStream_t s, o;
-  std::fprintf(stderr, "capture_routing: step 1\n");
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  std::fprintf(stderr, "capture_routing: step 2\n");
   CK(cudaStreamCreateWithFlags(&o, cudaStreamNonBlocking));
-  std::fprintf(stderr, "capture_routing: step 3\n");
   sp_pool_id pool = {0, 4242};
-  std::fprintf(stderr, "capture_routing: step 4\n");
   sp_memory_stats before;
-  std::fprintf(stderr, "capture_routing: step 5\n");
   sp_memory_stats_get(0, &before);
-  std::fprintf(stderr, "capture_routing: step 6\n");
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  std::fprintf(stderr, "capture_routing: step 7\n");
   cudaStreamCaptureStatus cs;
-  std::fprintf(stderr, "capture_routing: step 8\n");
   unsigned long long id = 0;
-  std::fprintf(stderr, "capture_routing: step 9\n");
   CK(cudaStreamGetCaptureInfo(s, &cs, &id));
-  std::fprintf(stderr, "capture_routing: step 10\n");
   bool ok = sp_begin_allocate_to_pool(0, pool, SP_ROUTE_CAPTURE, id) == SP_OK;
-  std::fprintf(stderr, "capture_routing: step 11\n");
   void *p = nullptr, *q = nullptr, *t = nullptr;
-  std::fprintf(stderr, "capture_routing: step 12\n");
   ok = ok && sp_alloc(0, 24 << 20, S(s), &p) == SP_OK;   // grows the pool during capture
   ok = ok && sp_alloc(0, 1 << 20, S(s), &t) == SP_OK;
-  std::fprintf(stderr, "capture_routing: step 13\n");
   ok = ok && sp_alloc(0, 3 << 20, S(o), &q) == SP_OK;    // not capturing: default pool
   fill<<<128, 256, 0, s>>>((uint32_t*)p, (24 << 20) / 4, 99);
-  std::fprintf(stderr, "capture_routing: step 14\n");
   fill<<<16, 256, 0, s>>>((uint32_t*)t, (1 << 20) / 4, 5);
-  std::fprintf(stderr, "capture_routing: step 15\n");
   ok = ok && sp_free(t) == SP_OK;                          // a free during capture
   cudaGraph_t g;
-  std::fprintf(stderr, "capture_routing: step 16\n");
   cudaError_t end = cudaStreamEndCapture(s, &g);
-  std::fprintf(stderr, "capture_routing: step 17\n");
   ok = ok && end == cudaSuccess;
-  std::fprintf(stderr, "capture_routing: step 18\n");
   ok = ok && sp_end_allocate_to_pool(0, pool) == SP_OK;
-  std::fprintf(stderr, "capture_routing: step 19\n");
   sp_memory_stats ps;
-  std::fprintf(stderr, "capture_routing: step 20\n");
   ok = ok && sp_pool_stats_get(0, pool, &ps) == SP_OK;
-  std::fprintf(stderr, "capture_routing: step 21\n");
   bool routed = ps.allocated_bytes.all.current == (24 << 20);
-  std::fprintf(stderr, "capture_routing: step 22\n");
   cudaGraphExec_t ge;
-  std::fprintf(stderr, "capture_routing: step 23\n");
   CK(cudaGraphInstantiate(&ge, g, 0));
-  std::fprintf(stderr, "capture_routing: step 24\n");
   CK(cudaGraphLaunch(ge, s));
-  std::fprintf(stderr, "capture_routing: step 25\n");
   unsigned long long* bad;
-  std::fprintf(stderr, "capture_routing: step 26\n");
   CK(cudaMalloc(&bad, sizeof *bad));
-  std::fprintf(stderr, "capture_routing: step 27\n");
   CK(cudaMemsetAsync(bad, 0, sizeof *bad, s));
-  std::fprintf(stderr, "capture_routing: step 28\n");
   verify<<<128, 256, 0, s>>>((const uint32_t*)p, (24 << 20) / 4, 99, bad);
-  std::fprintf(stderr, "capture_routing: step 29\n");
   unsigned long long h = 1;
-  std::fprintf(stderr, "capture_routing: step 30\n");
   CK(cudaMemcpyAsync(&h, bad, sizeof h, cudaMemcpyDeviceToHost, s));
-  std::fprintf(stderr, "capture_routing: step 31\n");
   CK(cudaStreamSynchronize(s));
-  std::fprintf(stderr, "capture_routing: step 32\n");
   CK(cudaGraphExecDestroy(ge));
-  std::fprintf(stderr, "capture_routing: step 33\n");
   CK(cudaGraphDestroy(g));
-  std::fprintf(stderr, "capture_routing: step 34\n");
   CK(cudaFree(bad));
-  std::fprintf(stderr, "capture_routing: step 35\n");
   sp_free(p);
-  std::fprintf(stderr, "capture_routing: step 36\n");
   sp_free(q);
-  std::fprintf(stderr, "capture_routing: step 37\n");
   uint64_t left = 0;
-  std::fprintf(stderr, "capture_routing: step 38\n");
   sp_pool_release(0, pool, &left);
-  std::fprintf(stderr, "capture_routing: step 39\n");
   sp_empty_cache(0);
-  std::fprintf(stderr, "capture_routing: step 40\n");
   char buf[200];
   std::snprintf(buf, sizeof buf, "\"end_capture\": \"%s\", \"routed\": %s, \"graph_mismatches\": %llu",
                 cudaGetErrorString(end), routed ? "true" : "false", h);
   report("capture_routing", ok && routed && h == 0, buf);
   CK(cudaStreamDestroy(s));
-  std::fprintf(stderr, "capture_routing: step 41\n");
   CK(cudaStreamDestroy(o));
-  std::fprintf(stderr, "capture_routing: step 42\n");
 }
 
 // 4. vmm page reuse under load: reserved memory follows live bytes while kernels keep writing.
