@@ -316,16 +316,15 @@ pub unsafe extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: Stream) -> c_in
             unsafe { f(ptr, stream) }
         })
     };
-    let addr = ptr as usize;
+    free_async(ptr as usize, stream as usize as u64, real)
+}
+
+/// The body of both `cudaFreeAsync` entry points: slotpool's pointers are freed in the order of
+/// `sp_stream`, others go to `real`.
+fn free_async(addr: usize, sp_stream: u64, real: impl Fn() -> c_int) -> c_int {
     guard(
-        || {
-            free_with(
-                addr,
-                |sp| sp.free_on_stream(addr, stream as usize as u64),
-                real,
-            )
-        },
-        real,
+        || free_with(addr, |sp| sp.free_on_stream(addr, sp_stream), &real),
+        &real,
         CUDA_ERROR_INVALID_VALUE,
     )
 }
@@ -373,17 +372,10 @@ pub unsafe extern "C" fn cudaFreeAsync_ptsz(ptr: *mut c_void, stream: Stream) ->
             unsafe { f(ptr, stream) }
         })
     };
-    let addr = ptr as usize;
-    guard(
-        || {
-            free_with(
-                addr,
-                |sp| sp.free_on_stream(addr, per_thread_stream(stream as usize as u64)),
-                real,
-            )
-        },
+    free_async(
+        ptr as usize,
+        per_thread_stream(stream as usize as u64),
         real,
-        CUDA_ERROR_INVALID_VALUE,
     )
 }
 
