@@ -13,6 +13,7 @@ depend on the source tree.
 
 import os
 import shutil
+import sys
 
 from setuptools import setup
 
@@ -74,7 +75,9 @@ setup(
             libraries=["slotpool"],
             define_macros=[("SLOTPOOL_TORCH_VERSION_STR", torch.__version__)],
             extra_compile_args={"cxx": ["-O2", "-fvisibility=hidden"], "nvcc": []},
-            extra_link_args=["-Wl,-rpath,$ORIGIN", f"-Wl,-rpath,{LIBDIR}"],
+            # the process's shared libstdc++, never a static copy (see _loader.SHARED_LIBSTDCXX)
+            extra_link_args=["-Wl,-rpath,$ORIGIN", f"-Wl,-rpath,{LIBDIR}"]
+            + (["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []),
         )
     ],
     cmdclass={"build_ext": Build},

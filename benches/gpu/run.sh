@@ -6,6 +6,7 @@
 # There (through the device tool):    bash benches/gpu/run.sh [STEP...]      carry: .gpu
 #
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch
+# On demand: oom_probe (where an unsatisfiable allocation crashes under slotpool_torch)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -101,6 +102,13 @@ if has variants; then
   for m in separate single:0 shared; do
     OUT=$OUT run "record_${m/:/}" 400 python3 benches/gpu/record_graph_variants.py "$m"
   done
+fi
+
+if has oom_probe; then
+  gcc -shared -fPIC -O0 -g -o "$BUILD/segv_backtrace.so" benches/gpu/segv_backtrace.c
+  SEGV_BT=$BUILD/segv_backtrace.so SLOTPOOL_TORCH_DEBUG=1 SLOTPOOL_TORCH_BUILD_DIR=/tmp/slotpool-torch-ext-debug \
+    run oom_probe 500 python3 benches/gpu/oom_probe.py
+  grep '^{' "$OUT/oom_probe.log" | sed 's/^{/{"step": "oom_probe", /' >>"$RES"
 fi
 
 if has torch; then

@@ -141,11 +141,13 @@ def build_jit(verbose: bool = False):
             sources=[os.path.join(CSRC_DIR, s) for s in SOURCES],
             extra_cflags=[
                 "-O2",
+                # SLOTPOOL_TORCH_DEBUG=1: debug info, for addr2line on a crash report.
+                *(["-g"] if os.environ.get("SLOTPOOL_TORCH_DEBUG") == "1" else []),
                 "-fvisibility=hidden",
                 f"-DSLOTPOOL_TORCH_VERSION_STR={torch.__version__}",
             ],
             extra_include_paths=[include, CSRC_DIR],
-            extra_ldflags=[f"-L{libdir}", "-lslotpool", f"-Wl,-rpath,{libdir}"],
+            extra_ldflags=[f"-L{libdir}", "-lslotpool", f"-Wl,-rpath,{libdir}", *SHARED_LIBSTDCXX],
             build_directory=build_dir,
             with_cuda=True,
             verbose=verbose,
@@ -157,6 +159,13 @@ def build_jit(verbose: bool = False):
         print(f"slotpool_torch: extension ready in {time.time() - t0:.1f}s ({build_dir})", file=sys.stderr)
     check_version(mod, build_dir)
     return mod
+
+
+# The C++ runtime must be the process's shared libstdc++, the one torch uses. A toolchain whose
+# search path offers only libstdc++.a (the H200 image's /opt/gcc wrapper) would otherwise link a
+# private static copy whose iostreams are never initialised (GCC 13 runs that initialiser from
+# the library), and the first number formatted into a TORCH_CHECK message crashes.
+SHARED_LIBSTDCXX = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
 
 
 def load_extension(verbose: bool = False):
