@@ -2,5 +2,6 @@
 
 mod common;
 mod model;
+mod retained;
 mod scenarios;
 mod stress;

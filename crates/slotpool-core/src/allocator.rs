@@ -276,9 +276,12 @@ impl<D: Device> Allocator<D> {
 
     /// Release a shard's cache, unregistering the segments it gave back.
     fn release_on(&self, cell: &ShardRef, synchronize: bool, keep_pages: bool) {
+        // pools before the shard (lock order): the pool of a shard never changes.
+        let pool = lock(&cell.shard).pool;
+        let keep_retained = self.pool_in_use(pool);
         let env = self.env(&cell.pool_budget);
         let mut s = lock(&cell.shard);
-        s.release_cached(&env, synchronize, keep_pages);
+        s.release_cached(&env, synchronize, keep_pages, keep_retained);
         self.register_segments(cell, &mut s);
     }
 
@@ -727,6 +730,11 @@ impl<D: Device> Allocator<D> {
         }
         self.create_or_incref_pool(pool, PoolOptions::default())?;
         if matches!(filter, RouteFilter::Capture(_)) {
+            // The graph may read anything live in its pool now.
+            for cell in self.pool_shards(pool) {
+                let env = self.env(&cell.pool_budget);
+                lock(&cell.shard).retain_live(&env);
+            }
             self.captures_active.fetch_add(1, Ordering::AcqRel);
         }
         routes.push(Route { pool, filter });
@@ -789,7 +797,8 @@ impl<D: Device> Allocator<D> {
     // Releasing memory
 
     /// Return every unused cached byte of the default pool and of freeable private pools to the
-    /// device (`torch.cuda.empty_cache`). Pools in use keep their cache: live graphs reference it.
+    /// device (`torch.cuda.empty_cache`). Pools in use keep their graph-retained memory (live
+    /// graphs may touch it) and release the rest.
     pub fn empty_cache(&self) {
         let _reclaim = lock(&self.reclaim);
         let synced = !self.capture_underway() && self.dev.synchronize().is_ok();
@@ -798,7 +807,7 @@ impl<D: Device> Allocator<D> {
         self.forget_freeable_pools();
     }
 
-    /// `empty_cache` for one pool; a pool in use is emptied too (its free blocks and idle pages).
+    /// `empty_cache` for one pool; a pool in use keeps its graph-retained memory.
     pub fn empty_pool_cache(&self, pool: PoolId) -> AllocResult<()> {
         if !lock(&self.pools).contains_key(&pool) {
             return Err(AllocError::UnknownPool(pool));
@@ -813,22 +822,17 @@ impl<D: Device> Allocator<D> {
         Ok(())
     }
 
-    /// Release cached memory of the default pool and freeable pools, one shard at a time.
+    /// Release cached memory, one shard at a time: all of it in the default pool and freeable
+    /// pools; in pools in use, what no captured graph may touch (not graph-retained).
     fn release_all_cached(&self, synchronize: bool, keep_pages: bool) {
-        let freeable: Vec<PoolId> = {
-            let pools = lock(&self.pools);
-            pools
-                .iter()
-                .filter(|(id, e)| id.is_default() || e.use_count == 0)
-                .map(|(id, _)| *id)
-                .collect()
-        };
-        for ((pool, _), cell) in self.all_shards() {
-            if !freeable.contains(&pool) {
-                continue;
-            }
+        for (_, cell) in self.all_shards() {
             self.release_on(&cell, synchronize, keep_pages);
         }
+    }
+
+    /// A private pool with uses left: its graph-retained memory must stay where it is.
+    pub(crate) fn pool_in_use(&self, pool: PoolId) -> bool {
+        !pool.is_default() && lock(&self.pools).get(&pool).is_none_or(|e| e.use_count > 0)
     }
 
     fn release_page_pool(&self) {
@@ -857,6 +861,19 @@ impl<D: Device> Allocator<D> {
 
     // ----------------------------------------------------------------------------------------
     // Statistics
+
+    /// Bytes of `pool` that captured graphs may touch and that therefore stay mapped while the
+    /// pool is in use (see [`crate::block::PageTable`]).
+    pub fn retained_bytes(&self, pool: PoolId) -> AllocResult<u64> {
+        if !lock(&self.pools).contains_key(&pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        Ok(self
+            .pool_shards(pool)
+            .iter()
+            .map(|c| lock(&c.shard).retained_bytes(self.page_size))
+            .sum())
+    }
 
     /// Device-wide statistics (`torch.cuda.memory_stats`). Current values and totals are exact;
     /// peaks are exact while one (pool, stream) shard is active, else an upper bound.

@@ -69,6 +69,11 @@ impl Block {
 /// `live[p]` counts the non-free blocks that overlap page p; a mapped page with `live == 0` is
 /// *idle*: wholly inside free blocks, and may be unmapped once the stream's work that last
 /// touched it is complete (`idle_epoch[p]` below the shard's safe epoch).
+///
+/// A page is *graph-retained* (bit in `retained_bits`) when a captured graph may touch it: it
+/// backed an allocation made during a capture, was live when a capture of its pool began, or
+/// backed an allocation a restore took back while its owner still held it. While the pool is in
+/// use a retained page stays mapped at its address, idle or not.
 #[derive(Clone, Debug, Default)]
 pub struct PageTable {
     pub handle: Vec<Option<PageHandle>>,
@@ -76,6 +81,8 @@ pub struct PageTable {
     pub idle_epoch: Vec<u64>,
     /// Bit p set when page p is mapped and idle.
     pub idle_bits: Vec<u64>,
+    /// Bit p set when page p is mapped and graph-retained.
+    pub retained_bits: Vec<u64>,
     pub idle_count: usize,
     pub mapped_count: usize,
 }
@@ -89,7 +96,23 @@ impl PageTable {
             self.live.resize(n, 0);
             self.idle_epoch.resize(n, 0);
             self.idle_bits.resize(n.div_ceil(64), 0);
+            self.retained_bits.resize(n.div_ceil(64), 0);
         }
+    }
+
+    pub fn set_retained(&mut self, p: usize, retained: bool) {
+        let (w, b) = (p / 64, 1u64 << (p % 64));
+        if retained {
+            self.retained_bits[w] |= b;
+        } else {
+            self.retained_bits[w] &= !b;
+        }
+    }
+
+    pub fn is_retained(&self, p: usize) -> bool {
+        self.retained_bits
+            .get(p / 64)
+            .is_some_and(|w| w & (1 << (p % 64)) != 0)
     }
 
     pub fn set_idle(&mut self, p: usize, idle: bool) {
@@ -164,6 +187,9 @@ pub struct Segment {
     /// The block at the lowest address.
     pub first: BlockId,
     pub kind: SegmentKind,
+    /// Classic segments: a captured graph may touch this segment (see [`PageTable`]); kept while
+    /// the pool is in use. vmm segments track this per page.
+    pub retained: bool,
 }
 
 impl Segment {

@@ -280,6 +280,18 @@ impl Shard {
 
     /// Apply a validated plan.
     pub(crate) fn restore_apply(&mut self, env: &Env<'_>, plan: &Plan) {
+        // Blocks the restore takes back are still held by their owners (and graphs may touch
+        // them): their memory stays mapped while the pool is in use.
+        let held: Vec<(SegmentId, u64, u64)> = plan
+            .images
+            .iter()
+            .filter_map(|(id, _)| self.blocks.get(*id))
+            .filter(|b| b.state != BlockState::Free)
+            .map(|b| (b.segment, b.addr, b.size))
+            .collect();
+        for (seg, addr, size) in held {
+            self.retain_range(env, seg, addr, size);
+        }
         for (id, _) in &plan.images {
             if let Some(b) = self.blocks.get(*id).cloned() {
                 self.account(env, &b, -1);

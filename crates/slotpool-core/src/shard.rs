@@ -62,7 +62,7 @@ pub struct Released {
 /// 5. Every block in the slab belongs to exactly one segment chain; segments never overlap.
 /// 6. vmm pages: `live[p]` equals the number of non-free blocks overlapping page p; every page a
 ///    non-free block overlaps is mapped; a page is idle exactly when mapped with `live == 0`;
-///    counts match the bitmaps.
+///    only mapped pages are graph-retained; counts match the bitmaps.
 /// 7. Statistics equal a recount of the blocks and segments.
 /// 8. The live map holds exactly the `Allocated` blocks, each under its address.
 #[derive(Debug)]
@@ -319,6 +319,7 @@ impl Shard {
             small,
             first: usize::MAX,
             kind,
+            retained: false,
         });
         let id = self.blocks.insert(Block::free(addr, size, seg, None, None));
         self.segments[seg].first = id;
@@ -379,6 +380,10 @@ impl Shard {
         self.live.insert(addr, id);
         if vmm {
             self.pages_live(env, seg, addr, size, 1);
+        }
+        if env.capture_underway {
+            // The graph being captured will touch this range on every replay.
+            self.retain_range(env, seg, addr, size);
         }
         let st = &mut self.stats;
         st.allocation.update(small, 1);
@@ -775,6 +780,7 @@ impl Shard {
             // least likely to be wanted back soon (taking low ones makes pages ping-pong).
             let found = pt.idle_pages_rev().find(|&p| {
                 pt.idle_epoch[p] < self.safe_epoch
+                    && !pt.is_retained(p)
                     && !(sid == exclude.0 && p >= exclude.1 && p < exclude.2)
             });
             if let Some(p) = found {
@@ -852,6 +858,7 @@ impl Shard {
         pt.handle[p] = None;
         pt.mapped_count -= 1;
         pt.set_idle(p, false);
+        pt.set_retained(p, false);
         env.pool_budget.release(ps);
         self.stats.reserved_bytes.update(small, -(ps as i64));
         self.stats.num_device_free += 1;
@@ -865,11 +872,13 @@ impl Shard {
     /// device page pool when `keep_pages`, else released), and empty vmm reservations.
     /// `synchronize` says the caller synchronised the device (`Device::synchronize`), so that
     /// everything free can go; pending cross-stream events are waited for too.
+    /// `keep_retained`: the pool is in use, so graph-retained memory stays (see [`PageTable`]).
     pub fn release_cached(
         &mut self,
         env: &Env<'_>,
         synchronize: bool,
         keep_pages: bool,
+        keep_retained: bool,
     ) -> Released {
         let mut out = Released::default();
         if env.capture_underway {
@@ -891,7 +900,10 @@ impl Shard {
                         continue;
                     };
                     pt.idle_pages()
-                        .filter(|&p| pt.idle_epoch[p] < self.safe_epoch)
+                        .filter(|&p| {
+                            pt.idle_epoch[p] < self.safe_epoch
+                                && !(keep_retained && pt.is_retained(p))
+                        })
                         .collect()
                 };
                 for p in idle {
@@ -908,12 +920,69 @@ impl Shard {
                     }
                 }
             }
+            if keep_retained && self.segments[seg].retained {
+                continue;
+            }
             if let Some(bytes) = self.release_segment_if_unused(env, seg) {
                 out.segments += 1;
                 out.bytes += bytes;
             }
         }
         out
+    }
+
+    /// Mark [addr, addr+size) of segment `seg` graph-retained (its pages, or the whole classic
+    /// segment).
+    pub(crate) fn retain_range(&mut self, env: &Env<'_>, seg: SegmentId, addr: u64, size: u64) {
+        let segment = &mut self.segments[seg];
+        let (first, end) = Self::page_range(env, segment.addr, addr, size);
+        match &mut segment.kind {
+            SegmentKind::Classic => segment.retained = true,
+            SegmentKind::Vmm(pt) => {
+                for p in first..end.min(pt.handle.len()) {
+                    if pt.handle[p].is_some() {
+                        pt.set_retained(p, true);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Mark the memory of every live (allocated or pending) block graph-retained: a capture of
+    /// this pool begins and may read any of it.
+    pub fn retain_live(&mut self, env: &Env<'_>) {
+        let live: Vec<(SegmentId, u64, u64)> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.state != BlockState::Free)
+            .map(|(_, b)| (b.segment, b.addr, b.size))
+            .collect();
+        for (seg, addr, size) in live {
+            self.retain_range(env, seg, addr, size);
+        }
+    }
+
+    /// Graph-retained bytes (mapped vmm pages, or whole classic segments).
+    pub fn retained_bytes(&self, page_size: u64) -> u64 {
+        self.segments
+            .iter()
+            .map(|(_, s)| match &s.kind {
+                SegmentKind::Classic => {
+                    if s.retained {
+                        s.size
+                    } else {
+                        0
+                    }
+                }
+                SegmentKind::Vmm(pt) => {
+                    pt.retained_bits
+                        .iter()
+                        .map(|w| w.count_ones() as u64)
+                        .sum::<u64>()
+                        * page_size
+                }
+            })
+            .sum()
     }
 
     /// Release a segment that is one free block (and, for vmm, has nothing mapped); returns the
@@ -1109,6 +1178,9 @@ impl Shard {
                     }
                     if is_mapped {
                         mapped += 1;
+                    }
+                    if pt.is_retained(p) && !is_mapped {
+                        return Err(format!("6: segment {sid} page {p} is retained but not mapped"));
                     }
                     let should_idle = is_mapped && want == 0;
                     if pt.is_idle(p) != should_idle {
