@@ -9,6 +9,7 @@ $OUT/graph_variants_<MODE>.trace.csv.gz in the format of ../shared/traces plus m
   variant_begin,0,K,0   before variant K's make_graphed_callables
   capture_begin,0,0,0   at each torch.cuda.graph __enter__ (after PyTorch began allocating to the pool)
   capture_end,0,0,0     at each torch.cuda.graph __exit__
+cuBLAS workspaces are cleared after each variant (see below), in every mode.
 `slotpool replay --variants separate|shared|group` replays it.
 """
 import gzip, json, os, sys
@@ -57,6 +58,11 @@ for k in ks:
     kw = {"pool": pool} if pool is not None else {}
     g = torch.cuda.make_graphed_callables(Wrap(layer), (x,), num_warmup_iters=3, **kw)
     graphed.append((g, x))
+    # cuBLAS keeps a workspace per stream for the life of the process, and each
+    # make_graphed_callables warms up on a stream of its own; drop them between variants as CUDA
+    # graph trees do around recording (a variant group must: a workspace allocated in a variant
+    # would be aliased by the next one).
+    torch._C._cuda_clearCublasWorkspaces()
 torch.cuda.synchronize()
 r1 = torch.cuda.memory_reserved()
 tr = torch.cuda.memory._snapshot()["device_traces"][0]

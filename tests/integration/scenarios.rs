@@ -530,3 +530,32 @@ fn history_records_pytorch_trace_actions() {
     a.clear_history();
     assert!(a.history().is_empty());
 }
+
+#[test]
+fn device_wide_peaks_are_exact_across_streams() {
+    for growth in [GrowthMode::Vmm, GrowthMode::Classic] {
+        let (dev, a) = setup(growth, 1 << 30);
+        // One 64 MiB allocation at a time, on four streams: the device never held two.
+        for stream in 1..=4 {
+            let p = a.alloc(64 * MIB, stream).unwrap();
+            a.free(p).unwrap();
+            a.empty_cache();
+        }
+        let st = a.stats();
+        assert_eq!(st.allocated_bytes.all.peak as u64, 64 * MIB, "{growth:?}");
+        assert!(
+            (st.reserved_bytes.all.peak as u64) < 128 * MIB,
+            "{growth:?}: reserved peak {}",
+            st.reserved_bytes.all.peak
+        );
+        // Two at once is a peak of two; a reset starts from what is allocated now.
+        let x = a.alloc(64 * MIB, 1).unwrap();
+        let y = a.alloc(64 * MIB, 2).unwrap();
+        a.free(y).unwrap();
+        assert_eq!(a.stats().allocated_bytes.all.peak as u64, 128 * MIB);
+        a.reset_peak_stats();
+        assert_eq!(a.stats().allocated_bytes.all.peak as u64, 64 * MIB);
+        a.free(x).unwrap();
+        check_all(&dev, &a, &[]);
+    }
+}

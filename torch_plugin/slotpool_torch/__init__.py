@@ -245,14 +245,20 @@ class VariantGroup:
 
     @contextlib.contextmanager
     def variant(self, k: int):
-        """Capture variant k inside this block (pass ``pool=group.pool`` to the capture)."""
+        """Capture variant k inside this block (pass ``pool=group.pool`` to the capture).
+
+        cuBLAS workspaces are dropped on entry and exit, as CUDA graph trees do around recording:
+        cuBLAS keeps one per stream for the life of the process, and one allocated while variant
+        k captures would sit in the group's pool, where the next variant's memory aliases it."""
         torch.cuda.synchronize(self.device)
+        _clear_cublas_workspaces()
         d = self._g.begin(int(k), True)
         self.last_restore = RestoreResult(list(d["freed"]), list(d["created"]))
         try:
             yield self
         finally:
             torch.cuda.synchronize(self.device)
+            _clear_cublas_workspaces()
             self._g.end()
 
     @property
@@ -273,6 +279,12 @@ class VariantGroup:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _clear_cublas_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def variant_group(pool, count: int, device=None) -> VariantGroup:

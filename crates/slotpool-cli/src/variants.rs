@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 use serde::Serialize;
-use slotpool_core::{Allocator, Config, GrowthMode, PoolId, PoolOptions, VariantGroup};
+use slotpool_core::{
+    Allocator, Config, GrowthMode, PoolId, PoolOptions, RouteFilter, VariantGroup,
+};
 use slotpool_sim::{Backing, SimConfig, SimDevice};
 
 use crate::trace::{Action, Trace};
@@ -50,6 +52,17 @@ pub struct VariantReport {
 
 const H200_MEMORY: u64 = 143_771_000_832;
 
+/// The pool of the shared and group modes.
+const GROUP_POOL: PoolId = PoolId(0, 1);
+
+/// The pool the captures of `variant` go to.
+fn capture_pool(mode: VariantMode, variant: usize) -> PoolId {
+    match mode {
+        VariantMode::Separate => PoolId(0, 100 + variant as u64),
+        VariantMode::Shared | VariantMode::Group => GROUP_POOL,
+    }
+}
+
 /// Replay `trace` with its captures pooled as `mode` says.
 pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport, String> {
     let dev = Arc::new(
@@ -73,8 +86,8 @@ pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport
     } else {
         Action::FreeRequested
     };
-    let shared = PoolId(0, 1);
     let mut group: Option<VariantGroup> = None;
+    let mut capture_route: Option<PoolId> = None;
     let mut live: FxHashMap<u64, u64> = FxHashMap::default();
     let (mut variant, mut variants, mut captures) = (0usize, 0usize, 0usize);
     let mut in_capture = false;
@@ -96,8 +109,11 @@ pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport
                             alloc.end_variant(g).map_err(|e| e.to_string())?;
                             g
                         }
-                        None => group
-                            .insert(alloc.variant_group(shared, 64).map_err(|e| e.to_string())?),
+                        None => group.insert(
+                            alloc
+                                .variant_group(GROUP_POOL, 64)
+                                .map_err(|e| e.to_string())?,
+                        ),
                     };
                     let delta = alloc.begin_variant(g, variant).map_err(|e| e.to_string())?;
                     let gone: rustc_hash::FxHashSet<u64> =
@@ -112,13 +128,27 @@ pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport
                 alloc.empty_cache();
                 in_capture = true;
                 captures += 1;
+                // A capture route whose id matches no stream (as the PyTorch shim registers
+                // one before cudaStreamBeginCapture): slotpool knows a capture is underway and
+                // keeps what the graph touches (graph-retained) while the pool is in use.
+                let pool = capture_pool(mode, variant);
+                alloc
+                    .begin_allocate_to_pool(pool, RouteFilter::Capture(u64::MAX))
+                    .map_err(|e| e.to_string())?;
+                capture_route = Some(pool);
             }
-            Action::CaptureEnd => in_capture = false,
+            Action::CaptureEnd => {
+                in_capture = false;
+                if let Some(pool) = capture_route.take() {
+                    alloc
+                        .end_allocate_to_pool(pool)
+                        .map_err(|e| e.to_string())?;
+                }
+            }
             Action::Alloc => {
                 let pool = match (in_capture, mode) {
                     (false, _) => PoolId::DEFAULT,
-                    (true, VariantMode::Separate) => PoolId(0, 100 + variant as u64),
-                    (true, _) => shared,
+                    (true, _) => capture_pool(mode, variant),
                 };
                 if !pool.is_default() && alloc.pool_use_count(pool).is_err() {
                     alloc

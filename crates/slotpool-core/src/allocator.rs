@@ -15,7 +15,7 @@ use rustc_hash::FxHashMap;
 
 use crate::config::{Config, GrowthMode};
 use crate::device::{CaptureStatus, Device, DevicePtr, StreamId};
-use crate::env::{Budget, Env, EventPool, PagePool};
+use crate::env::{Budget, Env, EventPool, PagePool, PeakCounter};
 use crate::error::{AllocError, AllocResult, OomReport};
 use crate::pool::{PoolId, PoolOptions};
 use crate::route::{Route, RouteFilter, current_thread_id};
@@ -68,6 +68,8 @@ pub struct Allocator<D: Device> {
     pub(crate) arenas: Mutex<FxHashMap<u64, crate::arena::Arena>>,
     pub(crate) next_arena: AtomicU64,
     pub(crate) budget: Budget,
+    /// Allocated bytes on the device, with an exact peak.
+    pub(crate) allocated: PeakCounter,
     pub(crate) pages: PagePool,
     pub(crate) events: EventPool,
     pub(crate) history: crate::history::TraceRing,
@@ -123,6 +125,7 @@ impl<D: Device> Allocator<D> {
             arenas: Mutex::new(FxHashMap::default()),
             next_arena: AtomicU64::new(1),
             budget: Budget::new(limit),
+            allocated: PeakCounter::default(),
             pages: PagePool::default(),
             events: EventPool::default(),
             history: Default::default(),
@@ -196,6 +199,7 @@ impl<D: Device> Allocator<D> {
             policy: &self.config.policy,
             growth: self.config.growth,
             budget: &self.budget,
+            allocated: &self.allocated,
             pool_budget,
             pages: &self.pages,
             events: &self.events,
@@ -408,6 +412,29 @@ impl<D: Device> Allocator<D> {
         self.with_owner(ptr, |cell, s| s.free(&self.env(&cell.pool_budget), ptr))
             .ok_or(AllocError::UnknownPointer(ptr))?
             .map_err(shard_error)
+    }
+
+    /// Mark the allocation at `ptr` **graph-retained but reusable**: a captured graph still
+    /// references it (a graph output, a static buffer), but later captures of the same pool may
+    /// reuse its memory, because the caller promises that the graphs never run at the same time.
+    /// The block returns to its pool now; its memory stays mapped at its address while the pool
+    /// is in use. The caller keeps its pointer but must not free it again (the PyTorch shim
+    /// swallows that later free). Returns the block's size.
+    pub fn mark_reusable(&self, ptr: DevicePtr) -> AllocResult<u64> {
+        self.with_owner(ptr, |cell, s| {
+            let env = self.env(&cell.pool_budget);
+            let id = s
+                .lookup(ptr)
+                .ok_or(ShardError::BadBlock("unknown pointer"))?;
+            let (seg, size) = {
+                let b = s.block(id).ok_or(ShardError::BadBlock("unknown pointer"))?;
+                (b.segment, b.size)
+            };
+            s.retain_range(&env, seg, ptr, size);
+            s.free(&env, ptr).map(|()| size)
+        })
+        .ok_or(AllocError::UnknownPointer(ptr))?
+        .map_err(shard_error)
     }
 
     /// Note that `ptr` is used on `stream` (`Tensor.record_stream`): it is reused on another
@@ -730,11 +757,6 @@ impl<D: Device> Allocator<D> {
         }
         self.create_or_incref_pool(pool, PoolOptions::default())?;
         if matches!(filter, RouteFilter::Capture(_)) {
-            // The graph may read anything live in its pool now.
-            for cell in self.pool_shards(pool) {
-                let env = self.env(&cell.pool_budget);
-                lock(&cell.shard).retain_live(&env);
-            }
             self.captures_active.fetch_add(1, Ordering::AcqRel);
         }
         routes.push(Route { pool, filter });
@@ -891,6 +913,10 @@ impl<D: Device> Allocator<D> {
         }
         out.num_alloc_retries += self.num_alloc_retries.load(Ordering::Relaxed);
         out.num_ooms += self.num_ooms.load(Ordering::Relaxed);
+        // Device-wide peaks are exact (the merged per-shard peaks are only an upper bound).
+        out.allocated_bytes.all.peak = self.allocated.peak();
+        out.reserved_bytes.all.peak =
+            (self.budget.peak() as i64).max(out.reserved_bytes.all.current);
         out
     }
 
@@ -920,6 +946,8 @@ impl<D: Device> Allocator<D> {
         for cell in self.all_shards().values() {
             lock(&cell.shard).stats.reset_peak();
         }
+        self.allocated.reset_peak();
+        self.budget.reset_peak();
     }
 
     /// `reset_accumulated_memory_stats`.
@@ -950,7 +978,8 @@ impl<D: Device> Allocator<D> {
     ///    shard's own live map is its invariant 8);
     /// 2. no two segments of any shards overlap;
     /// 3. physical bytes held equal classic segments + mapped pages + cached pages;
-    /// 4. each pool's budget equals what its shards hold.
+    /// 4. each pool's budget equals what its shards hold;
+    /// 5. the device-wide allocated counter equals the shards' allocated bytes.
     pub fn check_invariants(&self) -> Result<(), String> {
         let _reclaim = lock(&self.reclaim);
         let ps = self.page_size;
@@ -958,6 +987,7 @@ impl<D: Device> Allocator<D> {
         let mut ranges = Vec::new();
         let mut held = self.pages.len() as u64 * ps;
         let mut per_pool: FxHashMap<PoolId, u64> = FxHashMap::default();
+        let mut allocated = 0i64;
         for (pool, bytes) in self.arena_bytes() {
             held += bytes;
             *per_pool.entry(pool).or_default() += bytes;
@@ -967,6 +997,7 @@ impl<D: Device> Allocator<D> {
             s.check_invariants(ps)
                 .map_err(|e| format!("shard {pool}/{stream}: invariant {e}"))?;
             let reserved = s.stats.reserved_bytes.all.current as u64;
+            allocated += s.stats.allocated_bytes.all.current;
             held += reserved;
             *per_pool.entry(pool).or_default() += reserved;
             let reg = self.segments.read().unwrap_or_else(|e| e.into_inner());
@@ -1004,6 +1035,12 @@ impl<D: Device> Allocator<D> {
             return Err(format!(
                 "3: {} bytes held by the budget, {held} counted",
                 self.budget.held()
+            ));
+        }
+        if allocated != self.allocated.current() {
+            return Err(format!(
+                "5: device-wide allocated {} vs {allocated} in shards",
+                self.allocated.current()
             ));
         }
         let pools = lock(&self.pools);

@@ -71,9 +71,10 @@ impl Block {
 /// touched it is complete (`idle_epoch[p]` below the shard's safe epoch).
 ///
 /// A page is *graph-retained* (bit in `retained_bits`) when a captured graph may touch it: it
-/// backed an allocation made during a capture, was live when a capture of its pool began, or
-/// backed an allocation a restore took back while its owner still held it. While the pool is in
-/// use a retained page stays mapped at its address, idle or not.
+/// backed an allocation made during a capture, or an allocation a restore took back while its
+/// owner still held it. While the pool is in use a retained page stays mapped at its address,
+/// idle or not. (Memory that was live when a capture began, such as a static input, is its
+/// owner's to keep alive, as with PyTorch's default pool.)
 #[derive(Clone, Debug, Default)]
 pub struct PageTable {
     pub handle: Vec<Option<PageHandle>>,

@@ -370,6 +370,7 @@ impl Shard {
         if b.state == BlockState::Allocated {
             st.allocation.update(small, sign);
             st.allocated_bytes.update(small, sign * b.size as i64);
+            env.allocated.add(sign * b.size as i64);
             if !vmm && env.policy.is_oversize(b.size) {
                 st.oversize_allocations.update(sign);
             }

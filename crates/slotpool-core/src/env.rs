@@ -2,18 +2,20 @@
 //! the device-wide pools of physical pages and events.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use crate::config::GrowthMode;
 use crate::device::{Device, DeviceError, DeviceResult, EventHandle, PageHandle};
 use crate::policy::SizePolicy;
 use crate::sync::lock;
 
-/// Physical bytes this allocator holds on the device, and the most it may hold.
+/// Physical bytes this allocator holds on the device, the most it may hold, and the most it
+/// held (exact, device-wide: `max_memory_reserved`).
 #[derive(Debug)]
 pub struct Budget {
     held: AtomicU64,
     limit: AtomicU64,
+    peak: AtomicU64,
 }
 
 impl Budget {
@@ -21,11 +23,20 @@ impl Budget {
         Budget {
             held: AtomicU64::new(0),
             limit: AtomicU64::new(limit),
+            peak: AtomicU64::new(0),
         }
     }
 
     pub fn held(&self) -> u64 {
         self.held.load(Ordering::Relaxed)
+    }
+
+    pub fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed).max(self.held())
+    }
+
+    pub fn reset_peak(&self) {
+        self.peak.store(self.held(), Ordering::Relaxed);
     }
 
     pub fn limit(&self) -> u64 {
@@ -39,15 +50,54 @@ impl Budget {
     /// Claim `bytes` if the limit allows; false leaves nothing claimed.
     pub fn try_claim(&self, bytes: u64) -> bool {
         let limit = self.limit();
-        self.held
+        match self
+            .held
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
                 h.checked_add(bytes).filter(|&n| n <= limit)
-            })
-            .is_ok()
+            }) {
+            Ok(prev) => {
+                self.peak.fetch_max(prev + bytes, Ordering::Relaxed);
+                true
+            }
+            Err(_) => false,
+        }
     }
 
     pub fn release(&self, bytes: u64) {
         self.held.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+/// A device-wide byte count with an exact peak. Shard statistics are exact per shard, but the sum
+/// of per-shard peaks overstates the device's peak whenever several shards are active; this one
+/// counter, updated by every shard, gives `max_memory_allocated` exactly.
+#[derive(Debug, Default)]
+pub struct PeakCounter {
+    current: AtomicI64,
+    peak: AtomicI64,
+}
+
+impl PeakCounter {
+    #[inline]
+    pub fn add(&self, delta: i64) {
+        let now = self.current.fetch_add(delta, Ordering::Relaxed) + delta;
+        // The fetch_adds are totally ordered, so the largest value any of them produced is the
+        // exact peak of the running sum.
+        if delta > 0 && now > self.peak.load(Ordering::Relaxed) {
+            self.peak.fetch_max(now, Ordering::Relaxed);
+        }
+    }
+
+    pub fn current(&self) -> i64 {
+        self.current.load(Ordering::Relaxed)
+    }
+
+    pub fn peak(&self) -> i64 {
+        self.peak.load(Ordering::Relaxed).max(self.current())
+    }
+
+    pub fn reset_peak(&self) {
+        self.peak.store(self.current(), Ordering::Relaxed);
     }
 }
 
@@ -112,6 +162,8 @@ pub struct Env<'a> {
     pub policy: &'a SizePolicy,
     pub growth: GrowthMode,
     pub budget: &'a Budget,
+    /// Allocated bytes on the whole device (exact peak).
+    pub allocated: &'a PeakCounter,
     /// Bytes the shard's pool holds (classic segments and mapped pages) against its own limit.
     pub pool_budget: &'a Budget,
     pub pages: &'a PagePool,

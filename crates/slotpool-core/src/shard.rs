@@ -388,6 +388,7 @@ impl Shard {
         let st = &mut self.stats;
         st.allocation.update(small, 1);
         st.allocated_bytes.update(small, size as i64);
+        env.allocated.add(size as i64);
         st.active.update(small, 1);
         st.active_bytes.update(small, size as i64);
         st.requested_bytes.update(small, requested as i64);
@@ -417,6 +418,7 @@ impl Shard {
         };
         self.stats.allocation.update(small, -1);
         self.stats.allocated_bytes.update(small, -(size as i64));
+        env.allocated.add(-(size as i64));
         let b = &self.blocks[id];
         env.trace
             .record(TraceAction::FreeRequested, b.addr, b.requested, self.stream);
@@ -948,20 +950,6 @@ impl Shard {
         }
     }
 
-    /// Mark the memory of every live (allocated or pending) block graph-retained: a capture of
-    /// this pool begins and may read any of it.
-    pub fn retain_live(&mut self, env: &Env<'_>) {
-        let live: Vec<(SegmentId, u64, u64)> = self
-            .blocks
-            .iter()
-            .filter(|(_, b)| b.state != BlockState::Free)
-            .map(|(_, b)| (b.segment, b.addr, b.size))
-            .collect();
-        for (seg, addr, size) in live {
-            self.retain_range(env, seg, addr, size);
-        }
-    }
-
     /// Graph-retained bytes (mapped vmm pages, or whole classic segments).
     pub fn retained_bytes(&self, page_size: u64) -> u64 {
         self.segments
@@ -1180,7 +1168,9 @@ impl Shard {
                         mapped += 1;
                     }
                     if pt.is_retained(p) && !is_mapped {
-                        return Err(format!("6: segment {sid} page {p} is retained but not mapped"));
+                        return Err(format!(
+                            "6: segment {sid} page {p} is retained but not mapped"
+                        ));
                     }
                     let should_idle = is_mapped && want == 0;
                     if pt.is_idle(p) != should_idle {
