@@ -219,6 +219,14 @@ sp_status sp_alloc(int device, size_t size, uint64_t stream, void** out);
  *  or already freed: a double free is detected and changes nothing). */
 sp_status sp_free(void* ptr);
 
+/** Marks the allocation at ptr graph-retained but reusable: a captured graph still references
+ *  it, but later captures of its pool may reuse the memory (the caller promises that those
+ *  graphs never run at the same time). The block returns to its pool and stays mapped at its
+ *  address while the pool is in use; the caller keeps ptr but must not free it again.
+ *  size_out (may be NULL) receives the block's size. Errors: SP_ERR_INVALID_ARGUMENT (NULL),
+ *  SP_ERR_UNKNOWN_POINTER. */
+sp_status sp_mark_reusable(void* ptr, uint64_t* size_out);
+
 /** Notes that the allocation at ptr is used on stream too (Tensor.record_stream): after
  *  sp_free it is reused on another stream only once the work queued on stream before the free
  *  has completed. Errors: SP_ERR_INVALID_ARGUMENT (NULL), SP_ERR_UNKNOWN_POINTER. */
@@ -301,9 +309,16 @@ sp_status sp_end_allocate_to_pool(int device, sp_pool_id id);
 /* ------------------------------------------------------------------------------------------ */
 /* Statistics and snapshots                                                                   */
 
-/** Writes the statistics of device (getDeviceStats). Peaks are exact while one (pool, stream)
- *  is active, else an upper bound. */
+/** Writes the statistics of device (getDeviceStats). The all-pools peaks of allocated_bytes and
+ *  reserved_bytes are exact; other peaks add up per (pool, stream) and are an upper bound when
+ *  several are active. */
 sp_status sp_memory_stats_get(int device, sp_memory_stats* out);
+
+/** The device-wide peaks of device since the last reset: allocated bytes and reserved (physical)
+ *  bytes, both exact (the per-pool peaks of sp_pool_stats_get add up per stream and are an upper
+ *  bound). A device slotpool has not used reports zeros. Either out-pointer may be NULL.
+ *  Errors: SP_ERR_INVALID_ARGUMENT (no such device), SP_ERR_NOT_INITIALIZED. */
+sp_status sp_memory_peaks(int device, uint64_t* allocated_peak, uint64_t* reserved_peak);
 
 /** Writes the statistics of pool id on device. Errors: SP_ERR_UNKNOWN_POOL. */
 sp_status sp_pool_stats_get(int device, sp_pool_id id, sp_memory_stats* out);

@@ -428,6 +428,35 @@ def c_api(alloc, arg):
         del graphs
         gc.collect()
 
+    def sp_mark_reusable():
+        if not slot:
+            return True
+        # Two mutually exclusive graphs in one pool: graph 0's output is marked reusable, so
+        # graph 1's capture takes the same memory instead of growing the pool.
+        pid = sp.named_pool("api.mark_reusable")
+        x = torch.randn(1 << 20, device=dev)
+        n0 = sp._installed_ext().orphan_count()
+        g0, g1 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g0, pool=pid):
+            y0 = x * 2
+        size = sp.mark_reusable(y0)
+        assert size >= y0.numel() * 4, size
+        with torch.cuda.graph(g1, pool=pid):
+            y1 = x * 3
+        assert y1.data_ptr() == y0.data_ptr(), "graph 1 did not reuse graph 0's output memory"
+        for g, y, m in ((g0, y0, 2), (g1, y1, 3), (g0, y0, 2)):
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, x * m), m
+        del y0  # swallowed: the memory is y1's now
+        assert float(y1.sum()) == float((x * 3).sum())
+        del y1
+        assert sp._installed_ext().orphan_count() == n0
+        g0.reset()
+        g1.reset()
+        del g0, g1
+        sp.release_pool(pid)
+
     checks = [("backend", backend), ("alloc_basic", alloc_basic), ("registry", registry),
               ("memory_stats_keys", stats_keys), ("size0", size0), ("reset_peak", reset_peak),
               ("memory_summary", summary), ("empty_cache", empty_cache), ("raw_alloc", raw_alloc),
@@ -438,6 +467,7 @@ def c_api(alloc, arg):
               ("memory_fraction", fraction), ("mem_get_info", mem_get_info),
               ("sp_named_pool", sp_named_pool), ("sp_checkpoint_restore", sp_checkpoint_restore),
               ("sp_arena", sp_arena), ("sp_variants_small", sp_variants_small),
+              ("sp_mark_reusable", sp_mark_reusable),
               ("compile_reduce_overhead", compile_ro), ("oom", oom)]
     res = {"checks": run_checks(checks), "memory_stats_keys": keep.get("keys", [])}
     res["ok"] = all(v == "ok" for v in res["checks"].values())

@@ -125,6 +125,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   });
   m.def("orphan_count", []() { return alloc().orphan_count(); });
+  m.def("mark_reusable", [](uintptr_t ptr) {
+    return alloc().mark_reusable(reinterpret_cast<void*>(ptr));
+  });
   m.def("process_events", [](int device) {
     alloc();
     sp::check(sp_process_events(device), "sp_process_events");

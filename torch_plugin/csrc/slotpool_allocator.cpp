@@ -1014,6 +1014,15 @@ RestoreResult SlotpoolAllocator::restore(int device, sp_pool_id pool, const Chec
   return absorb_delta(delta.d, free_created);
 }
 
+uint64_t SlotpoolAllocator::mark_reusable(void* ptr) {
+  std::lock_guard<std::mutex> lk(orphan_mu_);
+  uint64_t size = 0;
+  check(sp_mark_reusable(ptr, &size), "sp_mark_reusable");
+  ++orphans_[ptr];
+  n_orphans_.fetch_add(1, std::memory_order_acq_rel);
+  return size;
+}
+
 size_t SlotpoolAllocator::orphan_count() {
   return n_orphans_.load(std::memory_order_acquire);
 }

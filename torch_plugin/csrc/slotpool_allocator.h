@@ -207,6 +207,8 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   // slotpool_torch.checkpoint (also getCheckpointState's core).
   std::shared_ptr<CheckpointState> take_checkpoint(int device, sp_pool_id pool);
   size_t orphan_count();
+  // sp_mark_reusable, and the pointer becomes an orphan (its owner's later free is swallowed).
+  uint64_t mark_reusable(void* ptr);
   std::vector<std::pair<MempoolId_t, std::string>> routes(int device);
   // Options the shim last set on a pool (slotpool has no getter; sp_pool_set_options replaces all).
   sp_pool_options& pool_options_locked(int device, sp_pool_id pool);

@@ -39,6 +39,7 @@ __all__ = [
     "verify_live",
     "variant_group",
     "VariantGroup",
+    "mark_reusable",
     "Arena",
     "RestoreResult",
     "routes",
@@ -279,6 +280,18 @@ class VariantGroup:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def mark_reusable(tensor) -> int:
+    """Mark `tensor`'s memory graph-retained but reusable: a captured graph still writes it (a
+    static output or buffer), but later captures of the same pool may reuse it, because the
+    caller promises those graphs never run at the same time (what TransformerEngine emulates with
+    weak references). The tensor stays valid as an object; its contents are overwritten by the
+    next graph that reuses the memory. Returns the bytes handed back to the pool."""
+    ext = _installed_ext()
+    if tensor.device.type != "cuda" or tensor.storage_offset() != 0:
+        raise ValueError("mark_reusable needs a CUDA tensor that owns its allocation from offset 0")
+    return int(ext.mark_reusable(tensor.untyped_storage().data_ptr()))
 
 
 def _clear_cublas_workspaces() -> None:

@@ -353,6 +353,30 @@ pub extern "C" fn sp_free(ptr: *mut c_void) -> sp_status {
     })
 }
 
+/// Marks the allocation at `ptr` graph-retained but reusable: a captured graph still references
+/// it, but later captures of its pool may reuse the memory (the graphs never run at the same
+/// time). The block returns to its pool and stays mapped while the pool is in use; the caller
+/// keeps the pointer but must not free it again. `size_out` (may be NULL) receives its size.
+///
+/// # Safety
+///
+/// `ptr` is never dereferenced; `size_out` must be NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_mark_reusable(ptr: *mut c_void, size_out: *mut u64) -> sp_status {
+    ffi(|| {
+        if ptr.is_null() {
+            return Err(Error::null("ptr"));
+        }
+        let p = ptr as u64;
+        let (_, size) = runtime()?.on_owner(p, |d| each!(d, a => a.mark_reusable(p)))?;
+        if !size_out.is_null() {
+            // SAFETY: non-null, and the caller promises it is valid for a write.
+            unsafe { size_out.write(size) };
+        }
+        Ok(())
+    })
+}
+
 /// Notes that the allocation at `ptr` is used on `stream` (`Tensor.record_stream`).
 ///
 /// # Safety
@@ -695,6 +719,39 @@ pub unsafe extern "C" fn sp_memory_stats_get(
         };
         // SAFETY: non-null and valid for writes by the caller's contract.
         unsafe { put(out, (&stats).into()) };
+        Ok(())
+    })
+}
+
+/// Writes the device-wide peaks of `device` since the last reset: allocated bytes and reserved
+/// (physical) bytes, both exact. A device slotpool has not used reports zeros.
+///
+/// # Safety
+///
+/// Each out-pointer must be NULL (that value is not wanted) or valid for a write of a `u64`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_memory_peaks(
+    device: c_int,
+    allocated_peak: *mut u64,
+    reserved_peak: *mut u64,
+) -> sp_status {
+    ffi(|| {
+        let (a, r) = match runtime()?.existing(device)? {
+            Some(d) => {
+                let st = each!(d, a => a.stats());
+                (
+                    st.allocated_bytes.all.peak as u64,
+                    st.reserved_bytes.all.peak as u64,
+                )
+            }
+            None => (0, 0),
+        };
+        for (out, v) in [(allocated_peak, a), (reserved_peak, r)] {
+            if !out.is_null() {
+                // SAFETY: non-null, and valid for a write by the caller's contract.
+                unsafe { out.write(v) };
+            }
+        }
         Ok(())
     })
 }

@@ -318,6 +318,7 @@ fn unknown_devices_are_rejected() {
             expect(sp_pool_alloc(d, pool(1), 64, 0, &mut p), invalid);
             expect(sp_largest_free_block(d, &mut sz), invalid);
             expect(sp_memory_stats_get(d, &mut st), invalid);
+            expect(sp_memory_peaks(d, &mut u, &mut u), invalid);
             expect(sp_pool_stats_get(d, pool(0), &mut st), invalid);
             expect(sp_snapshot_json(d, &mut json, &mut sz), invalid);
             expect(sp_memory_limit_get(d, &mut u, &mut u), invalid);
@@ -802,4 +803,33 @@ fn many_threads_alloc_and_free_concurrently() {
         };
         check.unwrap();
     }
+}
+
+#[test]
+fn device_peaks_are_exact_across_streams() {
+    setup();
+    let _g = exclusive(QUIET);
+    let d = QUIET;
+    let (mut a0, mut r0) = (0u64, 0u64);
+    // SAFETY: valid out-pointers.
+    ok(unsafe { sp_memory_peaks(d, &mut a0, &mut r0) });
+    ok(sp_reset_peak_stats(d));
+    for stream in 1..=3u64 {
+        let mut p = null_mut();
+        // SAFETY: valid out-pointer.
+        ok(unsafe { sp_alloc(d, 8 << 20, stream, &mut p) });
+        ok(sp_free(p));
+    }
+    let (mut a, mut r) = (0u64, 0u64);
+    // SAFETY: valid out-pointers; NULL ones are allowed.
+    unsafe {
+        ok(sp_memory_peaks(d, &mut a, &mut r));
+        ok(sp_memory_peaks(d, null_mut(), null_mut()));
+    }
+    assert_eq!(
+        a,
+        8 << 20,
+        "one 8 MiB allocation at a time, on three streams"
+    );
+    assert!(r >= a);
 }

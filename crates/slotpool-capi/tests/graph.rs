@@ -270,3 +270,31 @@ fn history_appears_in_the_snapshot() {
     ok(sp_clear_history(SHARED));
     expect(sp_record_history(99, 1), sp_status::SP_ERR_INVALID_ARGUMENT);
 }
+
+#[test]
+fn mark_reusable_returns_the_block_to_its_pool() {
+    let p = pool(9101);
+    // SAFETY: NULL options and count are allowed.
+    ok(unsafe { sp_pool_create_or_incref(SHARED, p, null(), null_mut()) });
+    let a = alloc_in(p, 6 * MIB);
+    let mut size = 0u64;
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_mark_reusable(a, &mut size) });
+    assert_eq!(size, 6 * MIB as u64);
+    // The pool serves the same addresses again; the old owner must not free a.
+    let b = alloc_in(p, 6 * MIB);
+    assert_eq!(b, a);
+    // SAFETY: NULL size_out is allowed; bad pointers are errors that change nothing.
+    expect(
+        unsafe { sp_mark_reusable(null_mut(), null_mut()) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    // SAFETY: as above.
+    expect(
+        unsafe { sp_mark_reusable((b as *mut u8).wrapping_add(512).cast(), null_mut()) },
+        sp_status::SP_ERR_UNKNOWN_POINTER,
+    );
+    ok(sp_free(b));
+    // SAFETY: NULL out-pointer is allowed.
+    ok(unsafe { sp_pool_release(SHARED, p, null_mut()) });
+}

@@ -131,14 +131,27 @@ pub fn summary() -> Option<String> {
     }
     let mut line = String::from("slotpool-preload: ");
     match state {
-        Some(Ok(sp)) => line.push_str(&format!(
-            "served by slotpool ({} backend, {}): {sa} allocs, {sf} frees, {} out of memory, \
-             peak {} live; ",
-            sp.backend,
-            sp.path,
-            OUT_OF_MEMORY.get(),
-            human(BYTES.peak.load(Relaxed)),
-        )),
+        Some(Ok(sp)) => {
+            line.push_str(&format!(
+                "served by slotpool ({} backend, {}): {sa} allocs, {sf} frees, {} out of memory, \
+                 peak {} live; ",
+                sp.backend,
+                sp.path,
+                OUT_OF_MEMORY.get(),
+                human(BYTES.peak.load(Relaxed)),
+            ));
+            // Devices are numbered densely; the first one slotpool refuses ends the list.
+            for d in 0..64 {
+                match sp.peaks(d) {
+                    Some((a, r)) if r > 0 => line.push_str(&format!(
+                        "device {d}: peak reserved {r} B ({}), peak allocated {a} B; ",
+                        human(r as i64)
+                    )),
+                    Some(_) => {}
+                    None => break,
+                }
+            }
+        }
         Some(Err(why)) => line.push_str(&format!("inactive ({why}); ")),
         None => line.push_str("inactive (no allocation call); "),
     }

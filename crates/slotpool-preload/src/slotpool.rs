@@ -123,6 +123,7 @@ type SpFree = unsafe extern "C" fn(*mut c_void) -> c_int;
 type SpRecordStream = unsafe extern "C" fn(*mut c_void, u64) -> c_int;
 type SpSnapshotJson = unsafe extern "C" fn(c_int, *mut *mut c_char, *mut usize) -> c_int;
 type SpStringFree = unsafe extern "C" fn(*mut c_char) -> c_int;
+type SpMemoryPeaks = unsafe extern "C" fn(c_int, *mut u64, *mut u64) -> c_int;
 type SpAllocationInfo = unsafe extern "C" fn(
     *mut c_void,
     *mut *mut c_void,
@@ -150,9 +151,17 @@ pub struct Slotpool {
     allocation_info: SpAllocationInfo,
     snapshot_json: SpSnapshotJson,
     string_free: SpStringFree,
+    memory_peaks: SpMemoryPeaks,
 }
 
 impl Slotpool {
+    /// Exact device-wide (allocated, reserved) peaks of `device`; `None` if slotpool refuses.
+    pub fn peaks(&self, device: c_int) -> Option<(u64, u64)> {
+        let (mut a, mut r) = (0u64, 0u64);
+        // SAFETY: two valid out-pointers; any device index is accepted (an error if unknown).
+        (unsafe { (self.memory_peaks)(device, &mut a, &mut r) } == SP_OK).then_some((a, r))
+    }
+
     /// Allocates from slotpool. `Some(code)`: answered (`cudaSuccess` with `*out` set, or out of
     /// memory with `*out` NULL); `None`: pass the call through.
     ///
@@ -520,7 +529,7 @@ fn start() -> Result<Slotpool, String> {
         .to_string_lossy()
         .into_owned();
     // SAFETY: see above.
-    let (alloc, free, record_stream, allocation_info, snapshot_json, string_free) = unsafe {
+    let (alloc, free, record_stream, allocation_info, snapshot_json, string_free, memory_peaks) = unsafe {
         (
             symbol(h, c"sp_alloc")?,
             symbol(h, c"sp_free")?,
@@ -528,6 +537,7 @@ fn start() -> Result<Slotpool, String> {
             symbol(h, c"sp_allocation_info")?,
             symbol(h, c"sp_snapshot_json")?,
             symbol(h, c"sp_string_free")?,
+            symbol(h, c"sp_memory_peaks")?,
         )
     };
     Ok(Slotpool {
@@ -542,6 +552,7 @@ fn start() -> Result<Slotpool, String> {
         allocation_info,
         snapshot_json,
         string_free,
+        memory_peaks,
     })
 }
 

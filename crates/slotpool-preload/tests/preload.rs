@@ -455,6 +455,14 @@ fn exit_line_with_slotpool_log() {
         assert!(line.contains("passed through: 2 allocs, 2 frees"), "{line}");
     }
     assert!(line.contains("peak "), "{line}");
+    // slotpool's own exact peaks: at least what the probe had live at once.
+    let reserved: u64 = line
+        .split("device 0: peak reserved ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no device 0 peak in {line}"));
+    assert!(reserved > 0, "{line}");
     assert!(!line.contains("panic"), "{line}");
 }
 
