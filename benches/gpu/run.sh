@@ -121,3 +121,7 @@ fi
 
 echo "== summary"
 python3 benches/gpu/summarize.py "$OUT" || cat "$RES"
+
+# The device tool returns at most 8 files: the logs travel as one archive (results.jsonl,
+# env.txt and any recorded traces stay loose).
+(cd "$OUT" && tar czf logs.tar.gz --remove-files ./*.log ./*.json 2>/dev/null) || true

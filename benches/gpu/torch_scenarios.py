@@ -484,7 +484,7 @@ def c_parity(alloc, arg):
     torch.manual_seed(0)
     random.seed(0)
     torch.empty(1, device="cuda")
-    step, n = build_workload("gpt2_train", "cuda")
+    step, n = build_workload(arg or "gpt2_train", "cuda")
     losses, times = [], []
     for _ in range(n):
         torch.cuda.synchronize()
@@ -822,25 +822,41 @@ def s_api():
 
 def s_parity():
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    n1 = run_child("parity", "native", extra_env=env)
-    s1 = run_child("parity", "slotpool", extra_env=env)
-    n2 = run_child("parity", "native", extra_env=env)
-    ln, ls, ln2 = n1.get("losses"), s1.get("losses"), n2.get("losses")
-    res = {"native": n1, "slotpool": s1, "native_again": {"losses": ln2, "error": n2.get("error")}}
-    if not (ln and ls):
-        res["ok"] = False
-        res["error"] = "a run failed"
-        return res
-    exact = ln == ls
-    native_deterministic = ln == ln2
-    diff = max(abs(a - b) for a, b in zip(ln, ls))
-    noise = max((abs(a - b) for a, b in zip(ln, ln2)), default=0.0) if ln2 else None
-    res.update({"losses_equal": exact, "native_deterministic": native_deterministic, "max_loss_diff": diff,
-                "native_run_to_run_diff": noise,
-                "step_s_native": n1.get("median_step_s"), "step_s_slotpool": s1.get("median_step_s"),
-                "peak_reserved_native": n1.get("peak_reserved"), "peak_reserved_slotpool": s1.get("peak_reserved"),
-                "ok": exact or (not native_deterministic and noise is not None and diff <= max(noise * 2, 1e-3))})
-    return res
+    out = {}
+    for w in os.environ.get("PARITY_WORKLOADS", "gpt2_train llama_train").split():
+        n1 = run_child("parity", "native", w, extra_env=env)
+        s1 = run_child("parity", "slotpool", w, extra_env=env)
+        n2 = run_child("parity", "native", w, extra_env=env)
+        ne = run_child("parity", "native", w,
+                       extra_env={**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+        ln, ls, ln2 = n1.get("losses"), s1.get("losses"), n2.get("losses")
+        res = {"native": n1, "slotpool": s1, "native_again": {"losses": ln2, "error": n2.get("error")},
+               "native_expandable": {k: ne.get(k) for k in ("median_step_s", "peak_reserved", "error")}}
+        if not (ln and ls):
+            res["ok"] = False
+            res["error"] = "a run failed"
+            out[w] = res
+            continue
+        exact = ln == ls
+        native_deterministic = ln == ln2
+        diff = max(abs(a - b) for a, b in zip(ln, ls))
+        noise = max((abs(a - b) for a, b in zip(ln, ln2)), default=0.0) if ln2 else None
+        ts, tn = s1.get("median_step_s"), n1.get("median_step_s")
+        pr_s, pr_e = s1.get("peak_reserved"), ne.get("peak_reserved")
+        res.update({"losses_equal": exact, "native_deterministic": native_deterministic,
+                    "max_loss_diff": diff, "native_run_to_run_diff": noise,
+                    "step_s_native": tn, "step_s_slotpool": ts,
+                    "step_ratio": (ts / tn) if ts and tn else None,
+                    "peak_reserved_native": n1.get("peak_reserved"), "peak_reserved_slotpool": pr_s,
+                    "peak_reserved_expandable": pr_e,
+                    "losses_ok": exact or (not native_deterministic and noise is not None
+                                           and diff <= max(noise * 2, 1e-3)),
+                    "step_ok": bool(ts and tn and ts <= 1.02 * tn),
+                    "reserved_ok": bool(pr_s and pr_e and pr_s <= pr_e)})
+        res["ok"] = res["losses_ok"] and res["step_ok"] and res["reserved_ok"]
+        out[w] = res
+    out["ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
+    return out
 
 
 def s_variants():

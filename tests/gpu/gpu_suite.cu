@@ -216,6 +216,72 @@ static void capture_routing() {
   CK(cudaStreamDestroy(o));
 }
 
+// 3b. Graph-retained memory: a graph's temporaries stay mapped while its pool is in use, even when
+// the pool then allocates more outside the capture (page reclaim) and the cache is emptied;
+// replaying the graph afterwards writes and verifies them without a fault.
+static void graph_retained_memory() {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  sp_pool_id pool = {0, 4343};
+  unsigned long long* bad;
+  CK(cudaMalloc(&bad, sizeof *bad));
+  CK(cudaMemset(bad, 0, sizeof *bad));
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  cudaStreamCaptureStatus cs;
+  unsigned long long id = 0;
+  CK(cudaStreamGetCaptureInfo(s, &cs, &id));
+  bool ok = sp_begin_allocate_to_pool(0, pool, SP_ROUTE_CAPTURE, id) == SP_OK;
+  void *t = nullptr, *o = nullptr;
+  ok = ok && sp_alloc(0, 8 << 20, S(s), &t) == SP_OK;  // a temporary of the graph
+  ok = ok && sp_alloc(0, 4 << 20, S(s), &o) == SP_OK;  // its output
+  fill<<<64, 256, 0, s>>>((uint32_t*)t, (8 << 20) / 4, 7);
+  verify<<<64, 256, 0, s>>>((const uint32_t*)t, (8 << 20) / 4, 7, bad);
+  fill<<<64, 256, 0, s>>>((uint32_t*)o, (4 << 20) / 4, 8);
+  ok = ok && sp_free(t) == SP_OK;
+  cudaGraph_t g;
+  ok = ok && cudaStreamEndCapture(s, &g) == cudaSuccess;
+  ok = ok && sp_end_allocate_to_pool(0, pool) == SP_OK;
+  uint64_t retained_before = 0;
+  sp_memory_stats ps;
+  ok = ok && sp_pool_stats_get(0, pool, &ps) == SP_OK;
+  retained_before = (uint64_t)ps.reserved_bytes.all.current;
+  // Outside the capture, the pool grows past its idle pages (before graph-retained memory existed,
+  // this moved the temporary's idle pages here), then every cache is emptied.
+  void* big = nullptr;
+  ok = ok && sp_pool_alloc(0, pool, 64 << 20, S(s), &big) == SP_OK;
+  fill<<<128, 256, 0, s>>>((uint32_t*)big, (64 << 20) / 4, 9);
+  CK(cudaStreamSynchronize(s));
+  ok = ok && sp_free(big) == SP_OK;
+  ok = ok && sp_pool_empty_cache(0, pool) == SP_OK && sp_empty_cache(0) == SP_OK;
+  ok = ok && sp_pool_stats_get(0, pool, &ps) == SP_OK;
+  uint64_t retained_after = (uint64_t)ps.reserved_bytes.all.current;
+  cudaGraphExec_t ge;
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  cudaError_t run = cudaSuccess;
+  for (int i = 0; i < 3 && run == cudaSuccess; ++i) {
+    run = cudaGraphLaunch(ge, s);
+    if (run == cudaSuccess) run = cudaStreamSynchronize(s);
+  }
+  unsigned long long h = 1;
+  if (run == cudaSuccess) CK(cudaMemcpy(&h, bad, sizeof h, cudaMemcpyDeviceToHost));
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  CK(cudaFree(bad));
+  sp_free(o);
+  uint64_t left = 0;
+  sp_pool_release(0, pool, &left);
+  sp_empty_cache(0);
+  char buf[240];
+  std::snprintf(buf, sizeof buf,
+                "\"replay\": \"%s\", \"mismatches\": %llu, \"pool_reserved_before\": %llu, "
+                "\"pool_reserved_after_empty_cache\": %llu",
+                cudaGetErrorString(run), h, (unsigned long long)retained_before,
+                (unsigned long long)retained_after);
+  report("graph_retained_memory",
+         ok && run == cudaSuccess && h == 0 && retained_after >= (12ull << 20), buf);
+  CK(cudaStreamDestroy(s));
+}
+
 // 4. vmm page reuse under load: reserved memory follows live bytes while kernels keep writing.
 static void vmm_page_reuse() {
   cudaStream_t s;
@@ -340,6 +406,8 @@ int main() {
   host_cost();
   capture_routing();
   invariants("capture_routing");
+  graph_retained_memory();
+  invariants("graph_retained_memory");
   std::printf("{\"test\": \"summary\", \"failed\": %d}\n", failures);
   return failures;
 }
