@@ -543,7 +543,12 @@ impl<D: Device> Allocator<D> {
             if pool.is_some_and(|q| q != p) || p.is_default() {
                 return true;
             }
-            !lock(&cell.shard).is_empty()
+            let mut s = lock(&cell.shard);
+            if !s.is_empty() {
+                return true;
+            }
+            s.settle_credit(&self.env(&cell.pool_budget));
+            false
         });
         if shards.len() != before {
             self.generation.fetch_add(1, Ordering::AcqRel);
@@ -913,8 +918,8 @@ impl<D: Device> Allocator<D> {
         }
         out.num_alloc_retries += self.num_alloc_retries.load(Ordering::Relaxed);
         out.num_ooms += self.num_ooms.load(Ordering::Relaxed);
-        // Device-wide peaks are exact (the merged per-shard peaks are only an upper bound).
-        out.allocated_bytes.all.peak = self.allocated.peak();
+        // Device-wide peaks from one counter (the merged per-shard peaks add up per shard).
+        out.allocated_bytes.all.peak = self.allocated.peak().max(out.allocated_bytes.all.current);
         out.reserved_bytes.all.peak =
             (self.budget.peak() as i64).max(out.reserved_bytes.all.current);
         out
@@ -944,7 +949,10 @@ impl<D: Device> Allocator<D> {
     /// `reset_peak_memory_stats`.
     pub fn reset_peak_stats(&self) {
         for cell in self.all_shards().values() {
-            lock(&cell.shard).stats.reset_peak();
+            let mut s = lock(&cell.shard);
+            s.stats.reset_peak();
+            // The device-wide counter restarts from the exact allocated bytes.
+            s.settle_credit(&self.env(&cell.pool_budget));
         }
         self.allocated.reset_peak();
         self.budget.reset_peak();
@@ -979,7 +987,7 @@ impl<D: Device> Allocator<D> {
     /// 2. no two segments of any shards overlap;
     /// 3. physical bytes held equal classic segments + mapped pages + cached pages;
     /// 4. each pool's budget equals what its shards hold;
-    /// 5. the device-wide allocated counter equals the shards' allocated bytes.
+    /// 5. the device-wide allocated counter equals the shards' allocated bytes plus their credits.
     pub fn check_invariants(&self) -> Result<(), String> {
         let _reclaim = lock(&self.reclaim);
         let ps = self.page_size;
@@ -997,7 +1005,7 @@ impl<D: Device> Allocator<D> {
             s.check_invariants(ps)
                 .map_err(|e| format!("shard {pool}/{stream}: invariant {e}"))?;
             let reserved = s.stats.reserved_bytes.all.current as u64;
-            allocated += s.stats.allocated_bytes.all.current;
+            allocated += s.stats.allocated_bytes.all.current + s.peak_credit;
             held += reserved;
             *per_pool.entry(pool).or_default() += reserved;
             let reg = self.segments.read().unwrap_or_else(|e| e.into_inner());

@@ -370,7 +370,6 @@ impl Shard {
         if b.state == BlockState::Allocated {
             st.allocation.update(small, sign);
             st.allocated_bytes.update(small, sign * b.size as i64);
-            env.allocated.add(sign * b.size as i64);
             if !vmm && env.policy.is_oversize(b.size) {
                 st.oversize_allocations.update(sign);
             }
@@ -378,6 +377,9 @@ impl Shard {
         st.active.update(small, sign);
         st.active_bytes.update(small, sign * b.size as i64);
         st.requested_bytes.update(small, sign * b.requested as i64);
+        if b.state == BlockState::Allocated {
+            self.count_allocated(env, sign * b.size as i64);
+        }
         if vmm {
             self.pages_live(env, b.segment, b.addr, b.size, sign as i32);
         }

@@ -90,8 +90,16 @@ pub struct Shard {
     pub(crate) live: FxHashMap<DevicePtr, BlockId>,
     /// Segments added (true) or released (false) since the allocator last looked: (addr, size).
     pub(crate) seg_log: Vec<(DevicePtr, u64, bool)>,
+    /// Bytes counted in the device-wide allocated counter beyond this shard's allocated bytes:
+    /// freed here and not yet handed back, at most [`PEAK_CREDIT_MAX`] (see `count_allocated`).
+    pub(crate) peak_credit: i64,
     pub stats: MemoryStats,
 }
+
+/// Freed bytes a shard may keep counted in the device-wide allocated counter, so that alloc/free
+/// loops of up to this size never touch that shared counter (one contended cache line costs
+/// 16 threads most of their throughput).
+pub(crate) const PEAK_CREDIT_MAX: i64 = 2 << 20;
 
 impl Shard {
     pub fn new(pool: PoolId, stream: StreamId, no_split: bool, policy: &SizePolicy) -> Self {
@@ -120,6 +128,7 @@ impl Shard {
             marks: Vec::new(),
             live: FxHashMap::default(),
             seg_log: Vec::new(),
+            peak_credit: 0,
             stats,
         }
     }
@@ -385,10 +394,10 @@ impl Shard {
             // The graph being captured will touch this range on every replay.
             self.retain_range(env, seg, addr, size);
         }
+        self.count_allocated(env, size as i64);
         let st = &mut self.stats;
         st.allocation.update(small, 1);
         st.allocated_bytes.update(small, size as i64);
-        env.allocated.add(size as i64);
         st.active.update(small, 1);
         st.active_bytes.update(small, size as i64);
         st.requested_bytes.update(small, requested as i64);
@@ -418,7 +427,7 @@ impl Shard {
         };
         self.stats.allocation.update(small, -1);
         self.stats.allocated_bytes.update(small, -(size as i64));
-        env.allocated.add(-(size as i64));
+        self.count_allocated(env, -(size as i64));
         let b = &self.blocks[id];
         env.trace
             .record(TraceAction::FreeRequested, b.addr, b.requested, self.stream);
@@ -931,6 +940,29 @@ impl Shard {
             }
         }
         out
+    }
+
+    /// Report `delta` allocated bytes to the device-wide counter ([`crate::env::PeakCounter`]),
+    /// through this shard's credit. The counter reads allocated bytes plus every shard's credit,
+    /// and it only grows when a shard has no credit left, at which moment that shard adds
+    /// nothing extra: its peak is exact for one shard, and overstates the device's true peak by
+    /// at most the other active shards' credits ([`PEAK_CREDIT_MAX`] each).
+    #[inline]
+    pub(crate) fn count_allocated(&mut self, env: &Env<'_>, delta: i64) {
+        self.peak_credit -= delta;
+        if self.peak_credit < 0 {
+            env.allocated.add(-self.peak_credit);
+            self.peak_credit = 0;
+        } else if self.peak_credit > PEAK_CREDIT_MAX {
+            env.allocated.add(-self.peak_credit);
+            self.peak_credit = 0;
+        }
+    }
+
+    /// Hand the credit back (the shard is about to be dropped).
+    pub(crate) fn settle_credit(&mut self, env: &Env<'_>) {
+        env.allocated.add(-self.peak_credit);
+        self.peak_credit = 0;
     }
 
     /// Mark [addr, addr+size) of segment `seg` graph-retained (its pages, or the whole classic
