@@ -950,10 +950,8 @@ impl Shard {
     #[inline]
     pub(crate) fn count_allocated(&mut self, env: &Env<'_>, delta: i64) {
         self.peak_credit -= delta;
-        if self.peak_credit < 0 {
-            env.allocated.add(-self.peak_credit);
-            self.peak_credit = 0;
-        } else if self.peak_credit > PEAK_CREDIT_MAX {
+        // Out of credit: claim what is missing. Over the cap: hand it all back.
+        if !(0..=PEAK_CREDIT_MAX).contains(&self.peak_credit) {
             env.allocated.add(-self.peak_credit);
             self.peak_credit = 0;
         }
