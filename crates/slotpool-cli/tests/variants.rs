@@ -94,9 +94,9 @@ fn a_trace_without_markers_is_an_error() {
 fn recorded_h200_trace_pools_as_expected() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../benches/traces");
     let trace =
-        slotpool_cli::read_trace(&format!("{dir}/graph_variants_separate.trace.csv.gz")).unwrap();
+        slotpool_cli::read_trace(format!("{dir}/graph_variants_separate.trace.csv.gz")).unwrap();
     let alone_trace =
-        slotpool_cli::read_trace(&format!("{dir}/graph_variants_single0.trace.csv.gz")).unwrap();
+        slotpool_cli::read_trace(format!("{dir}/graph_variants_single0.trace.csv.gz")).unwrap();
     let sep = replay_variants(&trace, VariantMode::Separate).unwrap();
     let shared = replay_variants(&trace, VariantMode::Shared).unwrap();
     let group = replay_variants(&trace, VariantMode::Group).unwrap();
