@@ -448,10 +448,12 @@ def c_api(alloc, arg):
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(y, x * m), m
-        del y0  # swallowed: the memory is y1's now
+        del y, y0  # y0's free is swallowed: the memory is y1's now
+        gc.collect()
         assert float(y1.sum()) == float((x * 3).sum())
         del y1
-        assert sp._installed_ext().orphan_count() == n0
+        n1 = sp._installed_ext().orphan_count()
+        assert n1 == n0, f"orphans {n0} -> {n1}"
         g0.reset()
         g1.reset()
         del g0, g1

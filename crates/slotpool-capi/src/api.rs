@@ -109,29 +109,6 @@ fn size_arg(size: usize) -> u64 {
     size as u64
 }
 
-/// Requests above this size are checked against the device before they reach the core.
-const LARGE_REQUEST: u64 = 1 << 30;
-
-/// Fails a request that can never fit: larger than the device or its memory limit. Such a
-/// request is refused here, before the core sizes page tables for it (a vmm request of 2^50
-/// bytes would otherwise cost the host gigabytes of bookkeeping before the budget refuses it).
-#[inline]
-fn check_fits(d: &DevAlloc, size: u64) -> Result<()> {
-    if size <= LARGE_REQUEST || size > slotpool_core::MAX_REQUEST {
-        return Ok(()); // small, or rejected by the core as an invalid size
-    }
-    let limit = each!(d, a => a.memory_limit());
-    let cap = limit.min(d.total_memory());
-    if size > cap {
-        return Err(Error::OutOfMemory(format!(
-            "tried to allocate {size} bytes, more than the device can ever hold ({} bytes of \
-             memory, limit {limit} bytes)",
-            d.total_memory()
-        )));
-    }
-    Ok(())
-}
-
 const fn parse_version(s: &str) -> c_int {
     let b = s.as_bytes();
     let mut i = 0;
@@ -327,7 +304,6 @@ pub unsafe extern "C" fn sp_alloc(
         // SAFETY: non-null and valid for writes by the caller's contract.
         unsafe { put(out, ptr::null_mut()) };
         let d = runtime()?.device(device)?;
-        check_fits(d, size_arg(size))?;
         let p = each!(d, a => a.alloc(size_arg(size), stream))?;
         // SAFETY: as above.
         unsafe { put(out, p as *mut c_void) };
@@ -658,7 +634,6 @@ pub unsafe extern "C" fn sp_pool_alloc(
         unsafe { put(out, ptr::null_mut()) };
         let pool = PoolId::from(id);
         let d = runtime()?.device(device)?;
-        check_fits(d, size_arg(size))?;
         let p = each!(d, a => a.alloc_in(pool, size_arg(size), stream))?;
         // SAFETY: as above.
         unsafe { put(out, p as *mut c_void) };
@@ -855,7 +830,6 @@ pub extern "C" fn sp_torch_malloc(size: isize, device: c_int, stream: *mut c_voi
         let size = usize::try_from(size)
             .map_err(|_| Error::InvalidArgument(format!("negative size {size}")))?;
         let d = runtime()?.device(device)?;
-        check_fits(d, size_arg(size))?;
         let p = each!(d, a => a.alloc(size_arg(size), stream as u64))?;
         out = p as *mut c_void;
         Ok(())

@@ -271,7 +271,17 @@ fn zero_and_absurd_sizes() {
     assert!(p.is_null());
     let msg = last_error();
     assert!(msg.contains("out of memory"), "{msg}");
-    assert_eq!(stats(QUIET), before);
+    // Counted as an out-of-memory (PyTorch's num_ooms), and nothing else changed.
+    let after_huge = stats(QUIET);
+    assert_eq!(after_huge.num_ooms, before.num_ooms + 1);
+    assert_eq!(
+        sp_memory_stats {
+            num_ooms: before.num_ooms,
+            ..after_huge
+        },
+        before
+    );
+    let before = after_huge;
     // Larger than the free memory but not than the device: the core's OOM path and report.
     let held = alloc(QUIET, 3 << 30, 0);
     let mut p = bogus(0xdead);

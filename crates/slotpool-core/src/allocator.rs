@@ -26,6 +26,9 @@ use crate::sync::lock;
 /// Largest request accepted (2^56 bytes); anything above is a caller bug, not an OOM.
 pub const MAX_REQUEST: u64 = 1 << 56;
 
+/// Requests above this size are also checked against the device's memory before they are served.
+const LARGE_REQUEST: u64 = 1 << 30;
+
 /// A shard and the budget of the pool it belongs to.
 #[derive(Debug)]
 pub(crate) struct ShardCell {
@@ -229,8 +232,12 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::InvalidSize(size));
         }
         let rounded = self.config.policy.round_size(size);
-        if rounded > self.budget.limit() {
-            // Can never fit: refuse before any bookkeeping is sized for it.
+        if rounded > self.budget.limit()
+            || (rounded > LARGE_REQUEST && rounded > self.dev.total_memory())
+        {
+            // Can never fit (over the limit, or over the device when a limit above it was set):
+            // refuse before any bookkeeping is sized for it (a vmm request of 2^50 bytes would
+            // cost gigabytes of page tables), and count it as PyTorch counts an OOM.
             self.num_ooms.fetch_add(1, Ordering::Relaxed);
             self.history
                 .record(crate::history::TraceAction::Oom, 0, rounded, stream);
