@@ -546,8 +546,8 @@ def c_variants(alloc, mode):
         assert sp is not None, "group needs slotpool"
         with sp.variant_group(None, len(seqs)) as grp:
             for k in idx:
-                sample = inputs[k].clone().requires_grad_()
-                with grp.variant(k):
+                with grp.variant(k):  # the variant's sample input belongs to it too
+                    sample = inputs[k].clone().requires_grad_()
                     graphed[k] = torch.cuda.make_graphed_callables(Wrap(layer), (sample,), num_warmup_iters=3, pool=grp.pool)
     else:
         pool = torch.cuda.graph_pool_handle() if mode == "shared" else None

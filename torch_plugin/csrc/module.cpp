@@ -293,6 +293,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::make_shared<sp::VariantGroup>(device, pool_of(pool), count, g);
   });
 
+  m.def("variant_route_begin", [](int device, const Pool& pool) {
+    alloc().begin_variant_route(device, MempoolId_t{pool.first, pool.second});
+  });
+  m.def("variant_route_end", [](int device) { alloc().end_variant_route(device); });
+
   // ---- arenas ----
   m.def("arena_create", [](int device, const Pool& pool, uint64_t stream) {
     alloc();

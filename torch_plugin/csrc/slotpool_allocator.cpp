@@ -290,6 +290,9 @@ sp_pool_id SlotpoolAllocator::route_for(c10::DeviceIndex device, cudaStream_t st
       return to_sp(e.id);
     }
   }
+  if (r.variant && r.variant->first == std::this_thread::get_id()) {
+    return to_sp(r.variant->second);
+  }
   return sp_pool_id{0, 0};
 }
 
@@ -803,7 +806,8 @@ void SlotpoolAllocator::beginAllocateToPool(c10::DeviceIndex device, MempoolId_t
   check(st, "sp_begin_allocate_to_pool");
   r.list.push_back(Route{mempool_id, std::move(filter), capture,
                          capture ? "capture" : "thread/stream/all"});
-  r.active.store(static_cast<int>(r.list.size()), std::memory_order_release);
+  r.active.store(static_cast<int>(r.list.size()) + (r.variant ? 1 : 0),
+                 std::memory_order_release);
 }
 
 void SlotpoolAllocator::endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) {
@@ -815,7 +819,8 @@ void SlotpoolAllocator::endAllocateToPool(c10::DeviceIndex device, MempoolId_t m
   TORCH_CHECK(it != r.list.end(), "endAllocatePool: not currently recording to mempool_id (",
               mempool_id.first, ", ", mempool_id.second, ")");
   r.list.erase(it);
-  r.active.store(static_cast<int>(r.list.size()), std::memory_order_release);
+  r.active.store(static_cast<int>(r.list.size()) + (r.variant ? 1 : 0),
+                 std::memory_order_release);
   check(sp_end_allocate_to_pool(device, to_sp(mempool_id)), "sp_end_allocate_to_pool");
 }
 
@@ -900,6 +905,23 @@ bool SlotpoolAllocator::checkPoolLiveAllocations(
   return false;
 }
 
+void SlotpoolAllocator::begin_variant_route(int device, MempoolId_t pool) {
+  check_device(static_cast<c10::DeviceIndex>(device));
+  auto& r = routes_[device];
+  std::unique_lock<std::shared_mutex> lk(r.mu);
+  TORCH_CHECK(!r.variant, "slotpool: a variant block is already routing on device ", device);
+  r.variant = std::make_pair(std::this_thread::get_id(), pool);
+  r.active.store(static_cast<int>(r.list.size()) + 1, std::memory_order_release);
+}
+
+void SlotpoolAllocator::end_variant_route(int device) {
+  check_device(static_cast<c10::DeviceIndex>(device));
+  auto& r = routes_[device];
+  std::unique_lock<std::shared_mutex> lk(r.mu);
+  r.variant.reset();
+  r.active.store(static_cast<int>(r.list.size()), std::memory_order_release);
+}
+
 std::vector<std::pair<MempoolId_t, std::string>> SlotpoolAllocator::routes(int device) {
   check_device(static_cast<c10::DeviceIndex>(device));
   auto& r = routes_[device];
@@ -907,6 +929,9 @@ std::vector<std::pair<MempoolId_t, std::string>> SlotpoolAllocator::routes(int d
   std::vector<std::pair<MempoolId_t, std::string>> out;
   for (const Route& e : r.list) {
     out.emplace_back(e.id, e.kind);
+  }
+  if (r.variant) {
+    out.emplace_back(r.variant->second, "variant thread");
   }
   return out;
 }

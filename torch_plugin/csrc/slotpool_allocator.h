@@ -51,6 +51,7 @@
 #include <optional>
 #include <shared_mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
@@ -210,6 +211,9 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   // sp_mark_reusable, and the pointer becomes an orphan (its owner's later free is swallowed).
   uint64_t mark_reusable(void* ptr);
   std::vector<std::pair<MempoolId_t, std::string>> routes(int device);
+  // The variant block's thread route (see DeviceRoutes::variant).
+  void begin_variant_route(int device, MempoolId_t pool);
+  void end_variant_route(int device);
   // Options the shim last set on a pool (slotpool has no getter; sp_pool_set_options replaces all).
   sp_pool_options& pool_options_locked(int device, sp_pool_id pool);
   std::mutex& pool_options_mutex() { return options_mu_; }
@@ -236,7 +240,11 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   struct DeviceRoutes {
     std::shared_mutex mu;
     std::vector<Route> list;        // PyTorch's captures_underway: evaluated oldest first
-    std::atomic<int> active{0};     // list.size(), read without the lock on the hot path
+    // A variant block's route (slotpool_torch.VariantGroup.variant): every allocation of one
+    // thread that no route in `list` takes goes to the group's pool. Not in `list`, because the
+    // captures inside the block record to that same pool.
+    std::optional<std::pair<std::thread::id, MempoolId_t>> variant;
+    std::atomic<int> active{0};     // list.size() + (variant ? 1 : 0), read without the lock
   };
   std::array<DeviceRoutes, C10_COMPILE_TIME_MAX_GPUS> routes_;
 

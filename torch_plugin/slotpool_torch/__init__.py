@@ -256,19 +256,30 @@ class VariantGroup:
         self.last_restore: RestoreResult | None = None
 
     @contextlib.contextmanager
-    def variant(self, k: int):
+    def variant(self, k: int, route_thread: bool = True):
         """Capture variant k inside this block (pass ``pool=group.pool`` to the capture).
 
+        With `route_thread` (the default), everything this thread allocates inside the block goes
+        to the group's pool too, captured or not: the variant's static inputs, the gradient
+        buffers and warm-up scratch of make_graphed_callables. It all belongs to variant k, and
+        the next variant reuses its memory. So allocate inside the block only what variant k
+        owns; anything that must outlive the group (an optimizer state, a cache) belongs before it.
+
         cuBLAS workspaces are dropped on entry and exit, as CUDA graph trees do around recording:
-        cuBLAS keeps one per stream for the life of the process, and one allocated while variant
-        k captures would sit in the group's pool, where the next variant's memory aliases it."""
+        cuBLAS keeps one per stream for the life of the process, and one allocated inside the
+        block would sit in the group's pool, where the next variant's memory aliases it."""
+        ext = _installed_ext()
         torch.cuda.synchronize(self.device)
         _clear_cublas_workspaces()
         d = self._g.begin(int(k), True)
         self.last_restore = RestoreResult(list(d["freed"]), list(d["created"]))
+        if route_thread:
+            ext.variant_route_begin(self.device, self.pool)
         try:
             yield self
         finally:
+            if route_thread:
+                ext.variant_route_end(self.device)
             torch.cuda.synchronize(self.device)
             _clear_cublas_workspaces()
             self._g.end()

@@ -1,7 +1,8 @@
 //! Replay of a CUDA-graph variant trace (benches/gpu/record_graph_variants.py) three ways:
 //! each variant's captures in a private pool of its own (PyTorch's default), all variants in one
-//! shared pool (`graph_pool_handle`), and slotpool's variant group (one pool; each variant starts
-//! from the checkpoint taken before variant 0).
+//! shared pool (`graph_pool_handle`), and slotpool's variant group (one pool for everything each
+//! variant allocates, captured or not; each variant starts from the checkpoint taken before
+//! variant 0).
 //!
 //! Allocations between `capture_begin` and `capture_end` markers go to the capture pool of the
 //! current variant; all others to the default pool. `empty_cache` runs at each `capture_begin`,
@@ -147,6 +148,10 @@ pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport
             }
             Action::Alloc => {
                 let pool = match (in_capture, mode) {
+                    // A variant group takes everything its variants allocate, inside their
+                    // captures or not (static inputs, gradient buffers, warm-up scratch), as
+                    // slotpool_torch's variant block routes the thread to the group's pool.
+                    (false, VariantMode::Group) if group.is_some() => GROUP_POOL,
                     (false, _) => PoolId::DEFAULT,
                     (true, _) => capture_pool(mode, variant),
                 };
