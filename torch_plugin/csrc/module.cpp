@@ -294,7 +294,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   m.def("variant_route_begin", [](int device, const Pool& pool) {
-    alloc().begin_variant_route(device, MempoolId_t{pool.first, pool.second});
+    alloc().begin_variant_route(device, c10::MempoolId_t{pool.first, pool.second});
   });
   m.def("variant_route_end", [](int device) { alloc().end_variant_route(device); });
 
