@@ -450,7 +450,9 @@ def c_api(alloc, arg):
             assert torch.equal(y, x * m), m
         del y, y0  # y0's free is swallowed: the memory is y1's now
         gc.collect()
-        assert float(y1.sum()) == float((x * 3).sum())
+        g1.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y1, x * 3), "y1 lost its memory when y0 died"
         del y1
         n1 = sp._installed_ext().orphan_count()
         assert n1 == n0, f"orphans {n0} -> {n1}"
