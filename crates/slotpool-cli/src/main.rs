@@ -11,7 +11,7 @@ use slotpool_cli::variants::{VariantMode, replay_variants};
 use slotpool_cli::{
     ReadOptions, ReplayOptions, ReplayReport, ReplayTarget, SlotpoolTarget, read_trace_with, replay,
 };
-use slotpool_core::GrowthMode;
+use slotpool_core::{Config, GrowthMode};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -55,6 +55,10 @@ struct ReplayArgs {
     /// pooled this way, and print the growth of physical memory as JSON.
     #[arg(long, value_enum, conflicts_with_all = ["plot", "timeline"])]
     variants: Option<Variants>,
+    /// slotpool's configuration, as in `SLOTPOOL_CONF` (e.g. `vmm_slack_percent:8`); `--mode`
+    /// sets the growth mode.
+    #[arg(long, value_name = "KEY:VALUE,...")]
+    conf: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -83,12 +87,16 @@ impl Mode {
 const H200_MEMORY: u64 = 143_771_000_832;
 
 /// The allocator that a replay drives: slotpool on the simulated device.
-fn make_target(mode: Mode) -> Result<Box<dyn ReplayTarget>, String> {
-    let growth = match mode {
+fn make_target(mode: Mode, conf: Option<&str>) -> Result<Box<dyn ReplayTarget>, String> {
+    let mut config = match conf {
+        Some(c) => Config::parse(c).map_err(|e| format!("--conf: {e}"))?,
+        None => Config::default(),
+    };
+    config.growth = match mode {
         Mode::Vmm => GrowthMode::Vmm,
         Mode::Classic => GrowthMode::Classic,
     };
-    Ok(Box::new(SlotpoolTarget::new(growth, H200_MEMORY)?))
+    Ok(Box::new(SlotpoolTarget::with_config(config, H200_MEMORY)?))
 }
 
 fn main() -> ExitCode {
@@ -129,7 +137,7 @@ fn run_replay(args: &ReplayArgs) -> Result<(), String> {
         );
         return Ok(());
     }
-    let mut target = make_target(args.mode)?;
+    let mut target = make_target(args.mode, args.conf.as_deref())?;
 
     let show_progress = !args.json && std::io::stderr().is_terminal();
     let bar = ProgressBar::hidden();

@@ -18,6 +18,17 @@ pub struct SlotpoolTarget {
 impl SlotpoolTarget {
     /// A target in `growth` mode on a device of `total_memory` bytes (the H200 has 141 GB).
     pub fn new(growth: GrowthMode, total_memory: u64) -> Result<Self, String> {
+        Self::with_config(
+            Config {
+                growth,
+                ..Config::default()
+            },
+            total_memory,
+        )
+    }
+
+    /// A target with a full configuration (`SLOTPOOL_CONF` syntax through [`Config::parse`]).
+    pub fn with_config(config: Config, total_memory: u64) -> Result<Self, String> {
         let dev = SimDevice::new(SimConfig {
             total_memory,
             backing: Backing::Accounting,
@@ -26,10 +37,6 @@ impl SlotpoolTarget {
         })
         .map_err(|e| e.to_string())?;
         let dev = Arc::new(dev);
-        let config = Config {
-            growth,
-            ..Config::default()
-        };
         Ok(SlotpoolTarget {
             alloc: Allocator::new(dev.clone(), config),
             dev,

@@ -175,3 +175,34 @@ fn skipped_frees_warn_on_stderr() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("warning: 1 free(s)"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn replay_takes_a_configuration_and_refuses_a_bad_one() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../benches/traces/gpt2_train.trace.csv.gz"
+    );
+    let run = |conf: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_slotpool"))
+            .args(["replay", trace, "--json", "--conf", conf])
+            .output()
+            .expect("run slotpool")
+    };
+    let peak = |out: &std::process::Output| -> u64 {
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        v["peak_reserved"].as_u64().expect("peak_reserved")
+    };
+    let exact = run("vmm_slack_percent:0");
+    let slack = run("vmm_slack_percent:8");
+    assert!(exact.status.success() && slack.status.success());
+    // Slack keeps idle pages mapped instead of moving them: more reserved, fewer driver calls.
+    assert!(
+        peak(&slack) > peak(&exact),
+        "{} vs {}",
+        peak(&slack),
+        peak(&exact)
+    );
+    let bad = run("no_such_key:1");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--conf"));
+}
