@@ -183,12 +183,12 @@ fn replay_takes_a_configuration_and_refuses_a_bad_one() {
         "/../../benches/traces/gpt2_train.trace.csv.gz"
     );
     let run = |conf: &str| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_slotpool"))
+        Command::new(env!("CARGO_BIN_EXE_slotpool"))
             .args(["replay", trace, "--json", "--conf", conf])
             .output()
             .expect("run slotpool")
     };
-    let peak = |out: &std::process::Output| -> u64 {
+    let peak = |out: &Output| -> u64 {
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
         v["peak_reserved"].as_u64().expect("peak_reserved")
     };
