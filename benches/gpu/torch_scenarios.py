@@ -461,6 +461,27 @@ def c_api(alloc, arg):
         del g0, g1
         sp.release_pool(pid)
 
+    def sp_orphan_pins_pool():
+        if not slot:
+            return True
+        # A tensor whose block a restore took back keeps its pool's memory mapped: releasing the
+        # pool and emptying the cache must not pull the memory from under it (it would fault).
+        pid = sp.named_pool("api.orphan_pin")
+        cp = sp.checkpoint(pid)
+        with sp.use_pool(pid):
+            t = torch.full((1 << 20,), 7.0, device=dev)
+        sp.restore(pid, cp)
+        del cp
+        sp.release_pool(pid)
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert sp.pool_use_count(pid) >= 1, "the orphan does not pin its pool"
+        assert float(t.sum()) == 7.0 * (1 << 20), "the orphan's memory changed"
+        del t
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert sp.pool_use_count(pid) == 0, "the last orphan did not unpin the pool"
+
     checks = [("backend", backend), ("alloc_basic", alloc_basic), ("registry", registry),
               ("memory_stats_keys", stats_keys), ("size0", size0), ("reset_peak", reset_peak),
               ("memory_summary", summary), ("empty_cache", empty_cache), ("raw_alloc", raw_alloc),
@@ -472,7 +493,8 @@ def c_api(alloc, arg):
               ("sp_named_pool", sp_named_pool), ("sp_checkpoint_restore", sp_checkpoint_restore),
               ("sp_arena", sp_arena), ("sp_variants_small", sp_variants_small),
               ("sp_mark_reusable", sp_mark_reusable),
-              ("compile_reduce_overhead", compile_ro), ("oom", oom)]
+              ("compile_reduce_overhead", compile_ro), ("oom", oom),
+              ("sp_orphan_pins_pool", sp_orphan_pins_pool)]
     res = {"checks": run_checks(checks), "memory_stats_keys": keep.get("keys", [])}
     res["ok"] = all(v == "ok" for v in res["checks"].values())
     return res

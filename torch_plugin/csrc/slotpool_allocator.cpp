@@ -219,7 +219,7 @@ RestoreResult VariantGroup::begin(size_t k, bool free_created) {
   DeltaGuard delta;
   check(sp_variant_begin(g, k, &delta.d), "sp_variant_begin");
   active = k;
-  return a->absorb_delta(delta.d, free_created);
+  return a->absorb_delta(device, pool, delta.d, free_created);
 }
 
 void VariantGroup::end() {
@@ -442,11 +442,28 @@ bool SlotpoolAllocator::consume_orphan(void* ptr) {
   if (it == orphans_.end()) {
     return false;
   }
-  if (--it->second == 0) {
+  if (--it->second.count == 0) {
+    if (it->second.pinned) {
+      unpin_locked(it->second);
+    }
     orphans_.erase(it);
   }
   n_orphans_.fetch_sub(1, std::memory_order_acq_rel);
   return true;
+}
+
+void SlotpoolAllocator::unpin_locked(const Orphan& o) {
+  auto key = std::make_tuple(o.device, o.pool.a, o.pool.b);
+  auto it = pinned_pools_.find(key);
+  if (it == pinned_pools_.end() || --it->second != 0) {
+    return;
+  }
+  pinned_pools_.erase(it);
+  // Called from deleters: report, never throw.
+  sp_status st = sp_pool_release(o.device, o.pool, nullptr);
+  if (st != SP_OK) {
+    TORCH_WARN("slotpool: unpinning pool (", o.pool.a, ", ", o.pool.b, ") failed: ", describe(st));
+  }
 }
 
 void SlotpoolAllocator::free_ptr(void* ptr, bool throw_on_error) {
@@ -1001,14 +1018,30 @@ CCA::CheckpointDelta SlotpoolAllocator::setCheckpointPoolState(
   return out;
 }
 
-RestoreResult SlotpoolAllocator::absorb_delta(sp_restore_delta* delta, bool free_created) {
+RestoreResult SlotpoolAllocator::absorb_delta(int device, sp_pool_id pool,
+                                              sp_restore_delta* delta, bool free_created) {
   RestoreResult res;
   res.freed = delta_list(delta, true);
   res.created = delta_list(delta, false);
   if (!res.freed.empty()) {
     std::lock_guard<std::mutex> lk(orphan_mu_);
     for (const auto& f : res.freed) {
-      ++orphans_[f.first];
+      Orphan& o = orphans_[f.first];
+      ++o.count;
+      if (!o.pinned) {
+        o.pinned = true;
+        o.device = device;
+        o.pool = pool;
+        size_t& pins = pinned_pools_[std::make_tuple(device, pool.a, pool.b)];
+        if (pins++ == 0) {
+          uint64_t uses = 0;
+          sp_status st = sp_pool_create_or_incref(device, pool, nullptr, &uses);
+          if (st != SP_OK) {
+            TORCH_WARN("slotpool: pinning pool (", pool.a, ", ", pool.b, ") failed: ",
+                       describe(st));
+          }
+        }
+      }
     }
     n_orphans_.fetch_add(res.freed.size(), std::memory_order_acq_rel);
   }
@@ -1036,14 +1069,14 @@ RestoreResult SlotpoolAllocator::restore(int device, sp_pool_id pool, const Chec
   check(sp_checkpoint_restore(device, pool, cp.cp, keep_live.empty() ? none : keep_live.data(),
                               keep_live.size(), &delta.d),
         "sp_checkpoint_restore");
-  return absorb_delta(delta.d, free_created);
+  return absorb_delta(device, pool, delta.d, free_created);
 }
 
 uint64_t SlotpoolAllocator::mark_reusable(void* ptr) {
   std::lock_guard<std::mutex> lk(orphan_mu_);
   uint64_t size = 0;
   check(sp_mark_reusable(ptr, &size), "sp_mark_reusable");
-  ++orphans_[ptr];
+  ++orphans_[ptr].count;
   n_orphans_.fetch_add(1, std::memory_order_acq_rel);
   return size;
 }

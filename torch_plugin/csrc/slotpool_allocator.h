@@ -201,7 +201,8 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   // semantics (throw), else a warning (deleters must not throw).
   void free_ptr(void* ptr, bool throw_on_error);
   // Record restore-freed pointers as orphans; free re-created ones if asked.
-  RestoreResult absorb_delta(sp_restore_delta* delta, bool free_created);
+  RestoreResult absorb_delta(int device, sp_pool_id pool, sp_restore_delta* delta,
+                             bool free_created);
   // slotpool_torch.restore: slotpool's own semantics (survivors untouched).
   RestoreResult restore(int device, sp_pool_id pool, const CheckpointState& cp,
                         const std::vector<void*>& keep_live, bool free_created);
@@ -248,8 +249,19 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   };
   std::array<DeviceRoutes, C10_COMPILE_TIME_MAX_GPUS> routes_;
 
+  // Stale owners after a restore (see "Stale owners" above). An orphan of a restore pins its pool
+  // (one use, taken by the first orphan, given back by the last): the pool's memory under it
+  // stays mapped while a tensor still points there, as a live block would keep it.
+  struct Orphan {
+    size_t count = 0;
+    bool pinned = false;  // counted in pinned_pools_ (restores; mark_reusable does not pin)
+    int device = 0;
+    sp_pool_id pool{0, 0};
+  };
+  void unpin_locked(const Orphan& o);
   std::mutex orphan_mu_;
-  std::unordered_map<void*, size_t> orphans_;
+  std::unordered_map<void*, Orphan> orphans_;
+  std::map<std::tuple<int, uint64_t, uint64_t>, size_t> pinned_pools_;
   std::atomic<size_t> n_orphans_{0};
 
   std::mutex options_mu_;
