@@ -378,6 +378,25 @@ static void checkpoints_and_variants(void) {
     OK(sp_variant_group_free(g));
     OK(sp_free(first[2]));
 
+    /* Graph-retained but reusable: the block goes back to its pool, the next request takes it. */
+    void *out0 = NULL, *out1 = NULL;
+    uint64_t reusable = 0;
+    OK(sp_pool_alloc(0, pool, 3 * MiB, 0, &out0));
+    OK(sp_mark_reusable(out0, &reusable));
+    CHECK(reusable == 3 * MiB);
+    OK(sp_pool_alloc(0, pool, 3 * MiB, 0, &out1));
+    CHECK(out1 == out0);
+    EXPECT(sp_mark_reusable(NULL, NULL), SP_ERR_INVALID_ARGUMENT);
+    EXPECT(sp_mark_reusable((char*)out1 + 256, NULL), SP_ERR_UNKNOWN_POINTER);
+    OK(sp_free(out1));
+
+    /* Exact device-wide peaks. */
+    uint64_t peak_allocated = 0, peak_reserved = 0;
+    OK(sp_memory_peaks(0, &peak_allocated, &peak_reserved));
+    CHECK(peak_allocated >= 6 * MiB && peak_reserved >= peak_allocated);
+    OK(sp_memory_peaks(0, NULL, NULL));
+    EXPECT(sp_memory_peaks(99, NULL, NULL), SP_ERR_INVALID_ARGUMENT);
+
     uint64_t arena = 0;
     void *x = NULL, *y = NULL;
     OK(sp_arena_create(0, pool, 0, &arena));
