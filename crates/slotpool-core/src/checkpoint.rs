@@ -132,6 +132,29 @@ pub(crate) struct Plan {
     pub created: Vec<(DevicePtr, u64)>,
 }
 
+/// What a block contributes to the statistics, page counts and maps (a copy, so that a restore
+/// moves block images instead of cloning them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct BlockShare {
+    state: BlockState,
+    addr: DevicePtr,
+    size: u64,
+    requested: u64,
+    segment: SegmentId,
+}
+
+impl BlockShare {
+    fn of(b: &Block) -> Self {
+        BlockShare {
+            state: b.state,
+            addr: b.addr,
+            size: b.size,
+            requested: b.requested,
+            segment: b.segment,
+        }
+    }
+}
+
 impl Shard {
     /// Place a checkpoint mark; refused while frees wait on cross-stream events.
     pub(crate) fn add_mark(&mut self, token: &Arc<CheckpointToken>) -> Result<usize, String> {
@@ -199,13 +222,15 @@ impl Shard {
                     return plan;
                 }
                 plan.pos = Some(pos);
-                for u in self.journal[pos..].iter().rev() {
+                // Oldest first: the first entry of a block is its state at the checkpoint; later
+                // ones are skipped without cloning.
+                for u in &self.journal[pos..] {
                     match u {
                         Undo::Modified(id, b) | Undo::Removed(id, b) => {
-                            images.insert(*id, Some(b.clone()));
+                            images.entry(*id).or_insert_with(|| Some(b.clone()));
                         }
                         Undo::Inserted(id) => {
-                            images.insert(*id, None);
+                            images.entry(*id).or_insert(None);
                         }
                         Undo::SegmentAdded(seg) => plan.reset_segments.push(*seg),
                     }
@@ -279,7 +304,7 @@ impl Shard {
     }
 
     /// Apply a validated plan.
-    pub(crate) fn restore_apply(&mut self, env: &Env<'_>, plan: &Plan) {
+    pub(crate) fn restore_apply(&mut self, env: &Env<'_>, plan: Plan) {
         // Blocks the restore takes back are still held by their owners (and graphs may touch
         // them): their memory stays mapped while the pool is in use.
         let held: Vec<(SegmentId, u64, u64)> = plan
@@ -292,28 +317,46 @@ impl Shard {
         for (seg, addr, size) in held {
             self.retain_range(env, seg, addr, size);
         }
-        for (id, _) in &plan.images {
-            if let Some(b) = self.blocks.get(*id).cloned() {
-                self.account(env, &b, -1);
-                match b.state {
-                    BlockState::Free => self.index_remove(*id),
+        // A block whose share is the same now and at the checkpoint (only its links changed)
+        // keeps its statistics, index entry and map entry: only the block itself is restored.
+        let same: Vec<bool> = plan
+            .images
+            .iter()
+            .map(|(id, img)| match (self.blocks.get(*id), img) {
+                (Some(now), Some(then)) => BlockShare::of(now) == BlockShare::of(then),
+                _ => false,
+            })
+            .collect();
+        for (&(id, _), &same) in plan.images.iter().zip(&same) {
+            if same {
+                continue;
+            }
+            if let Some(b) = self.blocks.get(id) {
+                let share = BlockShare::of(b);
+                self.account(env, share, -1);
+                match share.state {
+                    BlockState::Free => self.index_remove(id),
                     BlockState::Allocated => {
-                        self.live.remove(&b.addr);
+                        self.live.remove(&share.addr);
                     }
                     BlockState::PendingFree => {}
                 }
             }
         }
-        for (id, img) in &plan.images {
+        let mut restored: Vec<(BlockId, BlockShare)> = Vec::with_capacity(plan.images.len());
+        for ((id, img), same) in plan.images.into_iter().zip(same) {
             match img {
                 None => {
-                    self.blocks.take(*id);
+                    self.blocks.take(id);
                 }
                 Some(b) => {
-                    if self.blocks.contains(*id) {
-                        self.blocks[*id] = b.clone();
+                    if !same {
+                        restored.push((id, BlockShare::of(&b)));
+                    }
+                    if self.blocks.contains(id) {
+                        self.blocks[id] = b;
                     } else {
-                        self.blocks.put(*id, b.clone());
+                        self.blocks.put(id, b);
                     }
                 }
             }
@@ -329,16 +372,14 @@ impl Shard {
             self.segments[seg].first = id;
             fresh.push(id);
         }
-        for (id, img) in &plan.images {
-            if let Some(b) = img {
-                self.account(env, b, 1);
-                match b.state {
-                    BlockState::Free => self.index_insert(*id),
-                    BlockState::Allocated => {
-                        self.live.insert(b.addr, *id);
-                    }
-                    BlockState::PendingFree => {}
+        for (id, share) in restored {
+            self.account(env, share, 1);
+            match share.state {
+                BlockState::Free => self.index_insert(id),
+                BlockState::Allocated => {
+                    self.live.insert(share.addr, id);
                 }
+                BlockState::PendingFree => {}
             }
         }
         for id in fresh {
@@ -358,7 +399,7 @@ impl Shard {
     }
 
     /// Add (`sign` = 1) or remove (-1) a block's share of the statistics and page counts.
-    fn account(&mut self, env: &Env<'_>, b: &Block, sign: i64) {
+    fn account(&mut self, env: &Env<'_>, b: BlockShare, sign: i64) {
         if b.state == BlockState::Free {
             return;
         }

@@ -164,11 +164,11 @@ impl<D: Device> Allocator<D> {
             })?;
         }
         let mut delta = RestoreDelta::default();
-        for ((cell, shard), plan) in cells.iter().zip(guards.iter_mut()).zip(&plans) {
+        for ((cell, shard), plan) in cells.iter().zip(guards.iter_mut()).zip(plans) {
             let env = self.env(&cell.pool_budget);
-            shard.restore_apply(&env, plan);
             delta.freed.extend_from_slice(&plan.freed);
             delta.created.extend_from_slice(&plan.created);
+            shard.restore_apply(&env, plan);
         }
         drop(guards);
         delta.freed.sort_unstable();
