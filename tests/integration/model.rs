@@ -174,13 +174,30 @@ proptest! {
 
 #[derive(Clone, Debug)]
 enum CpOp {
-    Alloc { size: u64 },
-    Free { pick: usize },
+    Alloc {
+        size: u64,
+    },
+    Free {
+        pick: usize,
+    },
     Checkpoint,
-    Restore { keep: u64 },
+    Restore {
+        keep: u64,
+    },
     RestoreWithForeignKeep,
-    CrossStreamFree { pick: usize, complete: bool },
+    CrossStreamFree {
+        pick: usize,
+        complete: bool,
+    },
     EmptyPool,
+    /// A graph temporary: allocated and freed while a capture of the pool is underway.
+    CaptureTemp {
+        size: u64,
+    },
+    /// `mark_reusable`: the owner keeps the pointer, the pool takes the memory back.
+    MarkReusable {
+        pick: usize,
+    },
 }
 
 fn cp_op() -> impl Strategy<Value = CpOp> {
@@ -192,6 +209,8 @@ fn cp_op() -> impl Strategy<Value = CpOp> {
         1 => Just(CpOp::RestoreWithForeignKeep),
         1 => (any::<usize>(), any::<bool>()).prop_map(|(pick, complete)| CpOp::CrossStreamFree { pick, complete }),
         1 => Just(CpOp::EmptyPool),
+        1 => size_strategy().prop_map(|size| CpOp::CaptureTemp { size }),
+        1 => any::<usize>().prop_map(|pick| CpOp::MarkReusable { pick }),
     ]
 }
 
@@ -206,6 +225,8 @@ fn run_checkpoints(growth: GrowthMode, ops: &[CpOp]) {
         .create_or_incref_pool(pool, PoolOptions::default())
         .unwrap();
     let mut live: Vec<Held> = Vec::new();
+    // Addresses a captured graph may still touch: they stay mapped while the pool is in use.
+    let mut retained: Vec<u64> = Vec::new();
     let mut cp: Option<(slotpool::core::Checkpoint, Vec<Held>)> = None;
     let mut seed = 100u64;
     let as_live = |v: &[Held]| -> Vec<Live> {
@@ -278,6 +299,7 @@ fn run_checkpoints(growth: GrowthMode, ops: &[CpOp]) {
                             was.iter().filter(|x| !now.contains(x)).copied().collect();
                         freed.sort_unstable();
                         created.sort_unstable();
+                        retained.extend(freed.iter().map(|f| f.0));
                         assert_eq!(delta.freed, freed, "freed");
                         assert_eq!(delta.created, created, "created");
                         // Survivors keep their bytes; re-created blocks get a new pattern.
@@ -314,6 +336,32 @@ fn run_checkpoints(growth: GrowthMode, ops: &[CpOp]) {
                 assert_eq!(alloc.state_dump(), before);
             }
             CpOp::EmptyPool => alloc.empty_pool_cache(pool).unwrap(),
+            CpOp::CaptureTemp { size } => {
+                let id = dev.begin_capture(0).unwrap();
+                alloc
+                    .begin_allocate_to_pool(pool, slotpool::core::RouteFilter::Capture(id))
+                    .unwrap();
+                if let Ok(t) = alloc.alloc(size, 0) {
+                    alloc.free(t).unwrap();
+                    retained.push(t);
+                }
+                dev.end_capture(0).unwrap();
+                alloc.end_allocate_to_pool(pool).unwrap();
+                // The graph's use of the pool (begin took one); ours remains.
+                alloc.release_pool(pool).unwrap();
+            }
+            CpOp::MarkReusable { pick } => {
+                if !live.is_empty() {
+                    let (p, size, _) = live.swap_remove(pick % live.len());
+                    assert_eq!(alloc.mark_reusable(p).unwrap(), size);
+                    retained.push(p);
+                }
+            }
+        }
+        if growth == GrowthMode::Vmm {
+            for &r in &retained {
+                assert!(dev.read(r, 1).is_ok(), "graph-retained {r:#x} was unmapped");
+            }
         }
         check_all(&dev, &alloc, &as_live(&live));
         alloc
