@@ -191,6 +191,10 @@ pub struct Segment {
     /// Classic segments: a captured graph may touch this segment (see [`PageTable`]); kept while
     /// the pool is in use. vmm segments track this per page.
     pub retained: bool,
+    /// vmm segments: the free block that ends the reservation, kept here instead of in the
+    /// shard's free index. It is the largest free block by far, and a same-size alloc/free loop
+    /// splits and re-merges it every time: out of the B-tree, that costs no index update.
+    pub free_tail: Option<BlockId>,
 }
 
 impl Segment {

@@ -56,7 +56,8 @@ pub struct Released {
 ///    addresses whose sizes add up to the segment size, and `prev` links mirror `next` links.
 /// 2. No two neighbouring blocks are both `Free` (free neighbours always merge).
 /// 3. The free index holds exactly the `Free` blocks, each under its current size and address,
-///    in the index of its segment's size class.
+///    in the index of its segment's size class; except the free block that ends a vmm segment,
+///    which is that segment's `free_tail` instead.
 /// 4. A `PendingFree` block waits on `pending_events > 0` events in `pending`, or sits in
 ///    `deferred`; no other block has pending events.
 /// 5. Every block in the slab belongs to exactly one segment chain; segments never overlap.
@@ -183,7 +184,22 @@ impl Shard {
     pub fn largest_free(&self) -> u64 {
         let a = self.free_small.last().map_or(0, |k| k.0);
         let b = self.free_large.last().map_or(0, |k| k.0);
-        a.max(b)
+        let t = self
+            .segments
+            .iter()
+            .filter_map(|(_, s)| s.free_tail)
+            .map(|id| self.blocks[id].size)
+            .max()
+            .unwrap_or(0);
+        a.max(b).max(t)
+    }
+
+    /// Whether free block `id` ends a vmm segment (and so lives in its `free_tail`).
+    #[inline]
+    fn is_vmm_tail(&self, id: BlockId) -> bool {
+        let b = &self.blocks[id];
+        let seg = &self.segments[b.segment];
+        seg.is_vmm() && b.addr + b.size == seg.addr + seg.size
     }
 
     /// True while a checkpoint of this shard is alive: block changes are journaled.
@@ -229,6 +245,12 @@ impl Shard {
             self.stats.inactive_split.update(small, 1);
             self.stats.inactive_split_bytes.update(small, size as i64);
         }
+        if self.is_vmm_tail(id) {
+            let seg = self.blocks[id].segment;
+            debug_assert!(self.segments[seg].free_tail.is_none(), "two free tails");
+            self.segments[seg].free_tail = Some(id);
+            return;
+        }
         self.index(small).insert((size, addr, id));
     }
 
@@ -242,6 +264,11 @@ impl Shard {
             self.stats
                 .inactive_split_bytes
                 .update(small, -(size as i64));
+        }
+        let seg = self.blocks[id].segment;
+        if self.segments[seg].free_tail == Some(id) {
+            self.segments[seg].free_tail = None;
+            return;
         }
         let removed = self.index(small).remove(&(size, addr, id));
         debug_assert!(removed, "free block missing from the index");
@@ -282,7 +309,22 @@ impl Shard {
         } else {
             &self.free_large
         };
-        let &(size, _, id) = index.range((rounded, 0, 0)..).next()?;
+        let mut best: Option<FreeKey> = index.range((rounded, 0, 0)..).next().copied();
+        if env.growth == GrowthMode::Vmm {
+            // Best fit over the index and the segments' free tails, in the index's order.
+            for (_, seg) in self.segments.iter() {
+                if let Some(t) = seg.free_tail
+                    && seg.small == small
+                {
+                    let b = &self.blocks[t];
+                    let key = (b.size, b.addr, t);
+                    if b.size >= rounded && best.is_none_or(|k| key < k) {
+                        best = Some(key);
+                    }
+                }
+            }
+        }
+        let (size, _, id) = best?;
         if env.growth == GrowthMode::Classic && !env.policy.may_serve(size, rounded) {
             return None;
         }
@@ -329,6 +371,7 @@ impl Shard {
             first: usize::MAX,
             kind,
             retained: false,
+            free_tail: None,
         });
         let id = self.blocks.insert(Block::free(addr, size, seg, None, None));
         self.segments[seg].first = id;
@@ -1065,6 +1108,7 @@ impl Shard {
         let mut seen = 0usize;
         let mut recount = MemoryStats::default();
         let mut free_seen = 0usize;
+        let mut tails_seen = 0usize;
         let mut ranges: Vec<(u64, u64)> = Vec::new();
         for (sid, seg) in self.segments.iter() {
             ranges.push((seg.addr, seg.addr + seg.size));
@@ -1114,14 +1158,27 @@ impl Shard {
                 }
                 match b.state {
                     BlockState::Free => {
-                        free_seen += 1;
                         let index = if small {
                             &self.free_small
                         } else {
                             &self.free_large
                         };
-                        if !index.contains(&(b.size, b.addr, id)) {
-                            return Err(format!("3: free block {id} at {:#x} not indexed", b.addr));
+                        let tail = seg.is_vmm() && b.addr + b.size == seg.addr + seg.size;
+                        if tail {
+                            if seg.free_tail != Some(id) {
+                                return Err(format!(
+                                    "3: free block {id} ends vmm segment {sid} but is not its tail"
+                                ));
+                            }
+                            tails_seen += 1;
+                        } else {
+                            free_seen += 1;
+                            if !index.contains(&(b.size, b.addr, id)) {
+                                return Err(format!(
+                                    "3: free block {id} at {:#x} not indexed",
+                                    b.addr
+                                ));
+                            }
                         }
                         if b.pending_events != 0 || !b.stream_uses.is_empty() {
                             return Err(format!("4: free block {id} has events or stream uses"));
@@ -1244,6 +1301,16 @@ impl Shard {
             return Err(format!(
                 "5: {} blocks in the slab, {seen} in segment chains",
                 self.blocks.len()
+            ));
+        }
+        let tails = self
+            .segments
+            .iter()
+            .filter(|(_, s)| s.free_tail.is_some())
+            .count();
+        if tails != tails_seen {
+            return Err(format!(
+                "3: {tails} segments name a free tail, {tails_seen} free tails found"
             ));
         }
         if free_seen != self.free_small.len() + self.free_large.len() {
