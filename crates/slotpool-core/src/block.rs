@@ -90,15 +90,21 @@ pub struct PageTable {
 
 impl PageTable {
     /// Make sure the per-page arrays cover page `p`.
+    #[inline]
     pub fn cover(&mut self, p: usize) {
         if p >= self.handle.len() {
-            let n = (p + 1).next_power_of_two().max(64);
-            self.handle.resize(n, None);
-            self.live.resize(n, 0);
-            self.idle_epoch.resize(n, 0);
-            self.idle_bits.resize(n.div_ceil(64), 0);
-            self.retained_bits.resize(n.div_ceil(64), 0);
+            self.grow_to(p);
         }
+    }
+
+    #[cold]
+    fn grow_to(&mut self, p: usize) {
+        let n = (p + 1).next_power_of_two().max(64);
+        self.handle.resize(n, None);
+        self.live.resize(n, 0);
+        self.idle_epoch.resize(n, 0);
+        self.idle_bits.resize(n.div_ceil(64), 0);
+        self.retained_bits.resize(n.div_ceil(64), 0);
     }
 
     pub fn set_retained(&mut self, p: usize, retained: bool) {

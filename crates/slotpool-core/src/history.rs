@@ -77,12 +77,17 @@ impl TraceRing {
         lock(&self.ring).0.clear();
     }
 
-    /// Record one entry if recording.
-    #[inline]
+    /// Record one entry if recording (one relaxed load when not).
+    #[inline(always)]
     pub fn record(&self, action: TraceAction, addr: DevicePtr, size: u64, stream: StreamId) {
-        if !self.enabled() {
-            return;
+        if self.enabled() {
+            self.record_entry(action, addr, size, stream);
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn record_entry(&self, action: TraceAction, addr: DevicePtr, size: u64, stream: StreamId) {
         let time_us = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as u64);
