@@ -183,6 +183,7 @@ enum CpOp {
     Checkpoint,
     Restore {
         keep: u64,
+        which: usize,
     },
     RestoreWithForeignKeep,
     CrossStreamFree {
@@ -205,7 +206,7 @@ fn cp_op() -> impl Strategy<Value = CpOp> {
         8 => size_strategy().prop_map(|size| CpOp::Alloc { size }),
         6 => any::<usize>().prop_map(|pick| CpOp::Free { pick }),
         2 => Just(CpOp::Checkpoint),
-        3 => any::<u64>().prop_map(|keep| CpOp::Restore { keep }),
+        3 => (any::<u64>(), any::<usize>()).prop_map(|(keep, which)| CpOp::Restore { keep, which }),
         1 => Just(CpOp::RestoreWithForeignKeep),
         1 => (any::<usize>(), any::<bool>()).prop_map(|(pick, complete)| CpOp::CrossStreamFree { pick, complete }),
         1 => Just(CpOp::EmptyPool),
@@ -227,7 +228,8 @@ fn run_checkpoints(growth: GrowthMode, ops: &[CpOp]) {
     let mut live: Vec<Held> = Vec::new();
     // Addresses a captured graph may still touch: they stay mapped while the pool is in use.
     let mut retained: Vec<u64> = Vec::new();
-    let mut cp: Option<(slotpool::core::Checkpoint, Vec<Held>)> = None;
+    // Several live checkpoints: any of them can be restored, in any order.
+    let mut cps: Vec<(slotpool::core::Checkpoint, Vec<Held>)> = Vec::new();
     let mut seed = 100u64;
     let as_live = |v: &[Held]| -> Vec<Live> {
         v.iter()
@@ -273,13 +275,19 @@ fn run_checkpoints(growth: GrowthMode, ops: &[CpOp]) {
                 match alloc.checkpoint(pool) {
                     Ok(c) => {
                         assert!(!pending, "checkpoint accepted with pending frees");
-                        cp = Some((c, live.clone()));
+                        cps.push((c, live.clone()));
+                        if cps.len() > 3 {
+                            cps.remove(0);
+                        }
                     }
                     Err(_) => assert!(pending, "checkpoint refused without pending frees"),
                 }
             }
-            CpOp::Restore { keep } => {
-                let Some((c, then)) = &cp else { continue };
+            CpOp::Restore { keep, which } => {
+                if cps.is_empty() {
+                    continue;
+                }
+                let (c, then) = &cps[which % cps.len()];
                 let keep_live: Vec<u64> = live
                     .iter()
                     .enumerate()
@@ -323,7 +331,9 @@ fn run_checkpoints(growth: GrowthMode, ops: &[CpOp]) {
                 }
             }
             CpOp::RestoreWithForeignKeep => {
-                let Some((c, then)) = &cp else { continue };
+                let Some((c, then)) = cps.last() else {
+                    continue;
+                };
                 let Some(bad) = live
                     .iter()
                     .find(|l| !then.iter().any(|t| (t.0, t.1) == (l.0, l.1)))
@@ -368,7 +378,7 @@ fn run_checkpoints(growth: GrowthMode, ops: &[CpOp]) {
             .verify_live(pool, &live.iter().map(|l| l.0).collect::<Vec<_>>())
             .unwrap();
     }
-    drop(cp);
+    drop(cps);
     dev.complete_all();
     alloc.process_events();
     for (p, _, _) in live {

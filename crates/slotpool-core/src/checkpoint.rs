@@ -8,7 +8,9 @@
 //! checkpointed topology always exists).
 //!
 //! A restore is a transaction: it first plans every shard and validates the caller's `keep_live`
-//! set against the plan; any mismatch fails with a [`RestoreDiff`] and changes nothing.
+//! set against the plan; any mismatch fails with a [`RestoreDiff`] and changes nothing. A restore
+//! journals its own changes when checkpoints taken after the restored one are alive, so every
+//! live checkpoint stays restorable, in any order (CUDA graph trees switch paths back and forth).
 
 use std::sync::{Arc, Weak};
 
@@ -31,6 +33,8 @@ pub(crate) enum Undo {
     Removed(BlockId, Block),
     /// Segment `id` was added.
     SegmentAdded(SegmentId),
+    /// Segment `id`'s first block was this one before a restore reset the segment.
+    SegmentFirst(SegmentId, BlockId),
 }
 
 /// Keeps a checkpoint's marks alive; shards hold weak references to it.
@@ -126,6 +130,8 @@ pub(crate) struct Plan {
     images: Vec<(BlockId, Option<Block>)>,
     /// Segments added since: each becomes one free block.
     reset_segments: Vec<SegmentId>,
+    /// First blocks of segments that a restore reset since: (segment, first block then).
+    seg_firsts: Vec<(SegmentId, BlockId)>,
     /// Allocated now, not at the checkpoint.
     pub freed: Vec<(DevicePtr, u64)>,
     /// Allocated at the checkpoint, not now.
@@ -216,7 +222,7 @@ impl Shard {
             Some((pos, token)) => {
                 if !self.marks.iter().any(|m| m.pos == pos && m.token == token) {
                     diff.mismatches.push(format!(
-                        "stream {}: stale checkpoint (an earlier checkpoint was restored since)",
+                        "stream {}: the checkpoint's mark is gone from this shard",
                         self.stream
                     ));
                     return plan;
@@ -233,6 +239,11 @@ impl Shard {
                             images.entry(*id).or_insert(None);
                         }
                         Undo::SegmentAdded(seg) => plan.reset_segments.push(*seg),
+                        Undo::SegmentFirst(seg, first) => {
+                            if !plan.seg_firsts.iter().any(|(s, _)| s == seg) {
+                                plan.seg_firsts.push((*seg, *first));
+                            }
+                        }
                     }
                 }
             }
@@ -343,21 +354,47 @@ impl Shard {
                 }
             }
         }
+        // Checkpoints taken after this one stay valid: the restore's own changes go into the
+        // journal like any others (undoing everything after a mark, in order, always yields the
+        // state at that mark). With no later mark, the journal is simply cut back instead.
+        let keep_marks = match plan.pos {
+            Some(pos) => self.marks.iter().any(|m| m.pos > pos),
+            None => !self.marks.is_empty(),
+        };
+        let mut undo: Vec<Undo> = Vec::new();
         let mut restored: Vec<(BlockId, BlockShare)> = Vec::with_capacity(plan.images.len());
         for ((id, img), same) in plan.images.into_iter().zip(same) {
             match img {
                 None => {
-                    self.blocks.take(id);
+                    if let Some(gone) = self.blocks.take(id)
+                        && keep_marks
+                    {
+                        undo.push(Undo::Removed(id, gone));
+                    }
                 }
                 Some(b) => {
                     if !same {
                         restored.push((id, BlockShare::of(&b)));
                     }
                     if self.blocks.contains(id) {
-                        self.blocks[id] = b;
+                        let old = std::mem::replace(&mut self.blocks[id], b);
+                        if keep_marks {
+                            undo.push(Undo::Modified(id, old));
+                        }
                     } else {
                         self.blocks.put(id, b);
+                        if keep_marks {
+                            undo.push(Undo::Inserted(id));
+                        }
                     }
+                }
+            }
+        }
+        for &(seg, first) in &plan.seg_firsts {
+            if let Some(s) = self.segments.get_mut(seg) {
+                let old = std::mem::replace(&mut s.first, first);
+                if keep_marks {
+                    undo.push(Undo::SegmentFirst(seg, old));
                 }
             }
         }
@@ -369,7 +406,11 @@ impl Shard {
             let id = self
                 .blocks
                 .insert(Block::free(s.addr, s.size, seg, None, None));
-            self.segments[seg].first = id;
+            let old = std::mem::replace(&mut self.segments[seg].first, id);
+            if keep_marks {
+                undo.push(Undo::SegmentFirst(seg, old));
+                undo.push(Undo::Inserted(id));
+            }
             fresh.push(id);
         }
         for (id, share) in restored {
@@ -385,14 +426,12 @@ impl Shard {
         for id in fresh {
             self.index_insert(id);
         }
-        match plan.pos {
-            Some(pos) => {
-                self.journal.truncate(pos);
-                self.marks.retain(|m| m.pos <= pos);
-            }
-            None => {
-                self.journal.clear();
-                self.marks.clear();
+        if keep_marks {
+            self.journal.append(&mut undo);
+        } else {
+            match plan.pos {
+                Some(pos) => self.journal.truncate(pos),
+                None => self.journal.clear(),
             }
         }
         self.prune_marks();
