@@ -572,3 +572,47 @@ fn device_wide_peaks_are_exact_across_streams() {
         check_all(&dev, &a, &[]);
     }
 }
+
+#[test]
+fn switching_between_checkpoints_forever_keeps_the_journal_bounded() {
+    let (dev, a) = setup(GrowthMode::Vmm, 1 << 30);
+    a.create_or_incref_pool(POOL, PoolOptions::default())
+        .unwrap();
+    // Two "paths" of a graph tree: checkpoint A, allocations of path 1, checkpoint B.
+    let base = a.alloc_in(POOL, 4 * MIB, 0).unwrap();
+    let at_a = a.checkpoint(POOL).unwrap();
+    let path: Vec<u64> = (1..6)
+        .map(|i| a.alloc_in(POOL, i * MIB, 0).unwrap())
+        .collect();
+    a.free(path[2]).unwrap();
+    let at_b = a.checkpoint(POOL).unwrap();
+    // A third, later checkpoint (a deeper node): restoring A or B must keep it valid.
+    let deeper = a.alloc_in(POOL, 3 * MIB, 0).unwrap();
+    let at_c = a.checkpoint(POOL).unwrap();
+    let mut lens = Vec::new();
+    for _ in 0..50 {
+        a.restore(POOL, &at_a, &[base]).unwrap();
+        a.restore(POOL, &at_b, &[base]).unwrap();
+        lens.push(a.checkpoint_journal_len(POOL).unwrap());
+    }
+    check_all(&dev, &a, &[]);
+    assert!(
+        lens[49] <= lens[1],
+        "the journal grows with every switch: {:?}",
+        &lens[..5]
+    );
+    // All three checkpoints are still good.
+    a.restore(POOL, &at_a, &[base]).unwrap();
+    assert_eq!(a.live_allocations(POOL).unwrap().len(), 1);
+    a.restore(POOL, &at_c, &[base]).unwrap();
+    assert_eq!(a.live_allocations(POOL).unwrap().len(), 6);
+    assert!(
+        a.live_allocations(POOL)
+            .unwrap()
+            .iter()
+            .any(|l| l.0 == deeper)
+    );
+    a.restore(POOL, &at_b, &[base]).unwrap();
+    assert_eq!(a.live_allocations(POOL).unwrap().len(), 5);
+    check_all(&dev, &a, &[]);
+}

@@ -896,6 +896,19 @@ impl<D: Device> Allocator<D> {
     // ----------------------------------------------------------------------------------------
     // Statistics
 
+    /// Undo-journal entries that the live checkpoints of `pool` keep (host memory a checkpoint
+    /// holds: it grows with what changes in the pool while a checkpoint is alive).
+    pub fn checkpoint_journal_len(&self, pool: PoolId) -> AllocResult<usize> {
+        if !lock(&self.pools).contains_key(&pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        Ok(self
+            .pool_shards(pool)
+            .iter()
+            .map(|c| lock(&c.shard).journal_len())
+            .sum())
+    }
+
     /// Bytes of `pool` that captured graphs may touch and that therefore stay mapped while the
     /// pool is in use (see [`crate::block::PageTable`]).
     pub fn retained_bytes(&self, pool: PoolId) -> AllocResult<u64> {

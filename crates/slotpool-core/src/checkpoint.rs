@@ -182,6 +182,29 @@ impl Shard {
         Ok(pos)
     }
 
+    /// After the newest mark, only the first entry of each block (and of each segment's first
+    /// block) can matter to any mark: every mark lies before it. Dropping the later duplicates
+    /// keeps a program that switches between checkpoints forever (graph trees changing paths)
+    /// from growing the journal with every switch.
+    fn compact_journal_tail(&mut self) {
+        let Some(start) = self.marks.iter().map(|m| m.pos).max() else {
+            return;
+        };
+        let mut blocks = rustc_hash::FxHashSet::default();
+        let mut firsts = rustc_hash::FxHashSet::default();
+        let tail = self.journal.split_off(start);
+        self.journal.extend(tail.into_iter().filter(|u| match u {
+            Undo::Modified(id, _) | Undo::Removed(id, _) | Undo::Inserted(id) => blocks.insert(*id),
+            Undo::SegmentFirst(seg, _) => firsts.insert(*seg),
+            Undo::SegmentAdded(_) => true,
+        }));
+    }
+
+    /// Undo entries kept for the live checkpoints.
+    pub fn journal_len(&self) -> usize {
+        self.journal.len()
+    }
+
     /// Forget marks whose checkpoints were dropped; with none left, stop journaling.
     pub(crate) fn prune_marks(&mut self) {
         self.marks.retain(|m| m.alive.strong_count() > 0);
@@ -403,9 +426,16 @@ impl Shard {
             let Some(s) = self.segments.get(seg) else {
                 continue;
             };
-            let id = self
-                .blocks
-                .insert(Block::free(s.addr, s.size, seg, None, None));
+            let block = Block::free(s.addr, s.size, seg, None, None);
+            // The segment's first block id is vacant by now (the block was made after the mark):
+            // reusing it keeps repeated restores from minting ids (ids are not reused while
+            // journaling, so each would stay in the journal and the slab).
+            let id = if self.blocks.contains(s.first) {
+                self.blocks.insert(block)
+            } else {
+                self.blocks.put(s.first, block);
+                s.first
+            };
             let old = std::mem::replace(&mut self.segments[seg].first, id);
             if keep_marks {
                 undo.push(Undo::SegmentFirst(seg, old));
@@ -428,6 +458,7 @@ impl Shard {
         }
         if keep_marks {
             self.journal.append(&mut undo);
+            self.compact_journal_tail();
         } else {
             match plan.pos {
                 Some(pos) => self.journal.truncate(pos),
