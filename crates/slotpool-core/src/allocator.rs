@@ -899,26 +899,28 @@ impl<D: Device> Allocator<D> {
     /// Undo-journal entries that the live checkpoints of `pool` keep (host memory a checkpoint
     /// holds: it grows with what changes in the pool while a checkpoint is alive).
     pub fn checkpoint_journal_len(&self, pool: PoolId) -> AllocResult<usize> {
-        if !lock(&self.pools).contains_key(&pool) {
-            return Err(AllocError::UnknownPool(pool));
-        }
-        Ok(self
-            .pool_shards(pool)
-            .iter()
-            .map(|c| lock(&c.shard).journal_len())
-            .sum())
+        self.sum_over_pool(pool, Shard::journal_len)
     }
 
     /// Bytes of `pool` that captured graphs may touch and that therefore stay mapped while the
     /// pool is in use (see [`crate::block::PageTable`]).
     pub fn retained_bytes(&self, pool: PoolId) -> AllocResult<u64> {
+        self.sum_over_pool(pool, |s| s.retained_bytes(self.page_size))
+    }
+
+    /// `f` summed over the shards of `pool`; an unknown pool is an error.
+    fn sum_over_pool<T: std::iter::Sum>(
+        &self,
+        pool: PoolId,
+        f: impl Fn(&Shard) -> T,
+    ) -> AllocResult<T> {
         if !lock(&self.pools).contains_key(&pool) {
             return Err(AllocError::UnknownPool(pool));
         }
         Ok(self
             .pool_shards(pool)
             .iter()
-            .map(|c| lock(&c.shard).retained_bytes(self.page_size))
+            .map(|c| f(&lock(&c.shard)))
             .sum())
     }
 
