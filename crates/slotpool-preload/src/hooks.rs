@@ -289,14 +289,30 @@ pub unsafe extern "C" fn cudaMallocAsync(
     size: usize,
     stream: Stream,
 ) -> c_int {
+    // SAFETY: the caller's contract; the pass-through gets the caller's arguments.
+    unsafe {
+        malloc_async(dev_ptr, size, stream as usize as u64, || {
+            real::cuda_malloc_async()
+                .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| f(dev_ptr, size, stream))
+        })
+    }
+}
+
+/// The body of both `cudaMallocAsync` entry points: slotpool serves `size` bytes for
+/// `sp_stream`, else `real` answers.
+///
+/// # Safety
+///
+/// `dev_ptr` must be NULL or valid for a write of a pointer.
+unsafe fn malloc_async(
+    dev_ptr: *mut *mut c_void,
+    size: usize,
+    sp_stream: u64,
+    real: impl Fn() -> c_int,
+) -> c_int {
     guard(
-        // SAFETY: the caller's contract; the pass-through gets the caller's arguments.
-        || unsafe {
-            runtime_alloc(dev_ptr, size, stream as usize as u64, || {
-                real::cuda_malloc_async()
-                    .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| f(dev_ptr, size, stream))
-            })
-        },
+        // SAFETY: the caller's contract (`dev_ptr`).
+        || unsafe { runtime_alloc(dev_ptr, size, sp_stream, &real) },
         || CUDA_ERROR_OUT_OF_MEMORY,
         CUDA_ERROR_OUT_OF_MEMORY,
     )
@@ -341,22 +357,18 @@ pub unsafe extern "C" fn cudaMallocAsync_ptsz(
     size: usize,
     stream: Stream,
 ) -> c_int {
-    guard(
-        // SAFETY: the caller's contract; the pass-through gets the caller's arguments.
-        || unsafe {
-            runtime_alloc(
-                dev_ptr,
-                size,
-                per_thread_stream(stream as usize as u64),
-                || {
-                    real::cuda_malloc_async_ptsz()
-                        .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| f(dev_ptr, size, stream))
-                },
-            )
-        },
-        || CUDA_ERROR_OUT_OF_MEMORY,
-        CUDA_ERROR_OUT_OF_MEMORY,
-    )
+    // SAFETY: the caller's contract; the pass-through gets the caller's arguments.
+    unsafe {
+        malloc_async(
+            dev_ptr,
+            size,
+            per_thread_stream(stream as usize as u64),
+            || {
+                real::cuda_malloc_async_ptsz()
+                    .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| f(dev_ptr, size, stream))
+            },
+        )
+    }
 }
 
 /// Interposed `cudaFreeAsync_ptsz`: as [`cudaFreeAsync`], stream 0 being the per-thread stream.
