@@ -286,9 +286,7 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Release a shard's cache, unregistering the segments it gave back.
-    fn release_on(&self, cell: &ShardRef, synchronize: bool, keep_pages: bool) {
-        // pools before the shard (lock order): the pool of a shard never changes.
-        let pool = lock(&cell.shard).pool;
+    fn release_on(&self, pool: PoolId, cell: &ShardRef, synchronize: bool, keep_pages: bool) {
         let keep_retained = self.pool_in_use(pool);
         let env = self.env(&cell.pool_budget);
         let mut s = lock(&cell.shard);
@@ -357,7 +355,7 @@ impl<D: Device> Allocator<D> {
         let _reclaim = lock(&self.reclaim);
         let attempt = |cell: &ShardRef| self.alloc_on(cell, rounded, size);
         // 1. This shard's own cache.
-        self.release_on(&cell, false, true);
+        self.release_on(pool, &cell, false, true);
         if let Ok(addr) = attempt(&cell) {
             return Ok(addr);
         }
@@ -849,7 +847,7 @@ impl<D: Device> Allocator<D> {
         let _reclaim = lock(&self.reclaim);
         let synced = !self.capture_underway() && self.dev.synchronize().is_ok();
         for cell in self.pool_shards(pool) {
-            self.release_on(&cell, synced, false);
+            self.release_on(pool, &cell, synced, false);
         }
         self.release_page_pool();
         self.forget_freeable_pools();
@@ -859,8 +857,8 @@ impl<D: Device> Allocator<D> {
     /// Release cached memory, one shard at a time: all of it in the default pool and freeable
     /// pools; in pools in use, what no captured graph may touch (not graph-retained).
     fn release_all_cached(&self, synchronize: bool, keep_pages: bool) {
-        for (_, cell) in self.all_shards() {
-            self.release_on(&cell, synchronize, keep_pages);
+        for ((pool, _), cell) in self.all_shards() {
+            self.release_on(pool, &cell, synchronize, keep_pages);
         }
     }
 

@@ -339,42 +339,23 @@ impl Shard {
 
     /// Apply a validated plan.
     pub(crate) fn restore_apply(&mut self, env: &Env<'_>, plan: Plan) {
-        // Blocks the restore takes back are still held by their owners (and graphs may touch
-        // them): their memory stays mapped while the pool is in use.
-        let held: Vec<(SegmentId, u64, u64)> = plan
-            .images
-            .iter()
-            .filter_map(|(id, _)| self.blocks.get(*id))
-            .filter(|b| b.state != BlockState::Free)
-            .map(|b| (b.segment, b.addr, b.size))
-            .collect();
-        for (seg, addr, size) in held {
-            self.retain_range(env, seg, addr, size);
-        }
         // A block whose share is the same now and at the checkpoint (only its links changed)
         // keeps its statistics, index entry and map entry: only the block itself is restored.
-        let same: Vec<bool> = plan
-            .images
-            .iter()
-            .map(|(id, img)| match (self.blocks.get(*id), img) {
-                (Some(now), Some(then)) => BlockShare::of(now) == BlockShare::of(then),
-                _ => false,
-            })
-            .collect();
-        for (&(id, _), &same) in plan.images.iter().zip(&same) {
-            if same {
+        let mut same = Vec::with_capacity(plan.images.len());
+        for (id, img) in &plan.images {
+            let Some(now) = self.blocks.get(*id).map(BlockShare::of) else {
+                same.push(false);
                 continue;
+            };
+            if now.state != BlockState::Free {
+                // Blocks the restore takes back are still held by their owners (and graphs may
+                // touch them): their memory stays mapped while the pool is in use.
+                self.retain_range(env, now.segment, now.addr, now.size);
             }
-            if let Some(b) = self.blocks.get(id) {
-                let share = BlockShare::of(b);
-                self.account(env, share, -1);
-                match share.state {
-                    BlockState::Free => self.index_remove(id),
-                    BlockState::Allocated => {
-                        self.live.remove(&share.addr);
-                    }
-                    BlockState::PendingFree => {}
-                }
+            let unchanged = img.as_ref().is_some_and(|then| BlockShare::of(then) == now);
+            same.push(unchanged);
+            if !unchanged {
+                self.place(env, *id, now, -1);
             }
         }
         // Checkpoints taken after this one stay valid: the restore's own changes go into the
@@ -444,14 +425,7 @@ impl Shard {
             fresh.push(id);
         }
         for (id, share) in restored {
-            self.account(env, share, 1);
-            match share.state {
-                BlockState::Free => self.index_insert(id),
-                BlockState::Allocated => {
-                    self.live.insert(share.addr, id);
-                }
-                BlockState::PendingFree => {}
-            }
+            self.place(env, id, share, 1);
         }
         for id in fresh {
             self.index_insert(id);
@@ -466,6 +440,23 @@ impl Shard {
             }
         }
         self.prune_marks();
+    }
+
+    /// Put block `id`'s share in (`sign` = 1) or take it out (-1): statistics and page counts, and
+    /// the free index or the live map.
+    fn place(&mut self, env: &Env<'_>, id: BlockId, share: BlockShare, sign: i64) {
+        self.account(env, share, sign);
+        match (share.state, sign > 0) {
+            (BlockState::Free, true) => self.index_insert(id),
+            (BlockState::Free, false) => self.index_remove(id),
+            (BlockState::Allocated, true) => {
+                self.live.insert(share.addr, id);
+            }
+            (BlockState::Allocated, false) => {
+                self.live.remove(&share.addr);
+            }
+            (BlockState::PendingFree, _) => {}
+        }
     }
 
     /// Add (`sign` = 1) or remove (-1) a block's share of the statistics and page counts.
