@@ -49,21 +49,6 @@ impl<T: ReplayTarget + ?Sized> ReplayTarget for Box<T> {
     }
 }
 
-impl<T: ReplayTarget + ?Sized> ReplayTarget for &mut T {
-    fn alloc(&mut self, size: u64, stream: u64) -> Result<u64, String> {
-        (**self).alloc(size, stream)
-    }
-    fn free(&mut self, ptr: u64) -> Result<(), String> {
-        (**self).free(ptr)
-    }
-    fn sample(&self) -> (u64, u64) {
-        (**self).sample()
-    }
-    fn backend_calls(&self) -> Vec<(String, u64)> {
-        (**self).backend_calls()
-    }
-}
-
 /// Default number of points kept in [`ReplayReport::timeline`].
 pub const DEFAULT_TIMELINE_POINTS: usize = 2000;
 
