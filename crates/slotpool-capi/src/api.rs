@@ -17,29 +17,13 @@ use std::ptr::{self, NonNull};
 use slotpool_core::{MemoryStats, PoolId, PoolOptions};
 
 use crate::error::{Error, Result, ffi, last_error_ptr, sp_status};
+use crate::out::{put, put_opt, required};
 use crate::runtime::{self, DevAlloc, Runtime, each, runtime};
 use crate::snapshot::snapshot_json;
 use crate::types::{sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind};
 
 // ------------------------------------------------------------------------------------------------
 // Helpers
-
-/// `p` as a `NonNull`, or an error naming the argument.
-#[inline]
-fn required<T>(p: *mut T, what: &str) -> Result<NonNull<T>> {
-    NonNull::new(p).ok_or_else(|| Error::null(what))
-}
-
-/// Writes `v` through `p`.
-///
-/// # Safety
-///
-/// `p` must be valid for a write of `T` and suitably aligned.
-#[inline]
-unsafe fn put<T>(p: NonNull<T>, v: T) {
-    // SAFETY: the caller guarantees that `p` is valid for a write of `T`.
-    unsafe { p.as_ptr().write(v) }
-}
 
 /// A required C string argument as UTF-8.
 ///
@@ -345,10 +329,8 @@ pub unsafe extern "C" fn sp_mark_reusable(ptr: *mut c_void, size_out: *mut u64) 
         }
         let p = ptr as u64;
         let (_, size) = runtime()?.on_owner(p, |d| each!(d, a => a.mark_reusable(p)))?;
-        if !size_out.is_null() {
-            // SAFETY: non-null, and the caller promises it is valid for a write.
-            unsafe { size_out.write(size) };
-        }
+        // SAFETY: NULL or valid for a write by the caller's contract.
+        unsafe { put_opt(size_out, size) };
         Ok(())
     })
 }
@@ -507,10 +489,8 @@ pub unsafe extern "C" fn sp_pool_create_or_incref(
         let options = unsafe { options_arg(opts) };
         let n =
             each!(runtime()?.device(device)?, a => a.create_or_incref_pool(id.into(), options))?;
-        if let Some(out) = NonNull::new(use_count) {
-            // SAFETY: non-null and valid for writes by the caller's contract.
-            unsafe { put(out, n) };
-        }
+        // SAFETY: NULL or valid for writes by the caller's contract.
+        unsafe { put_opt(use_count, n) };
         Ok(())
     })
 }
@@ -556,10 +536,8 @@ pub unsafe extern "C" fn sp_pool_release(
 ) -> sp_status {
     ffi(|| {
         let n = each!(runtime()?.device(device)?, a => a.release_pool(id.into()))?;
-        if let Some(out) = NonNull::new(remaining) {
-            // SAFETY: non-null and valid for writes by the caller's contract.
-            unsafe { put(out, n) };
-        }
+        // SAFETY: NULL or valid for writes by the caller's contract.
+        unsafe { put_opt(remaining, n) };
         Ok(())
     })
 }
@@ -721,11 +699,10 @@ pub unsafe extern "C" fn sp_memory_peaks(
             }
             None => (0, 0),
         };
-        for (out, v) in [(allocated_peak, a), (reserved_peak, r)] {
-            if !out.is_null() {
-                // SAFETY: non-null, and valid for a write by the caller's contract.
-                unsafe { out.write(v) };
-            }
+        // SAFETY: each NULL or valid for a write by the caller's contract.
+        unsafe {
+            put_opt(allocated_peak, a);
+            put_opt(reserved_peak, r);
         }
         Ok(())
     })
@@ -803,10 +780,8 @@ pub unsafe extern "C" fn sp_snapshot_json(
             buf.as_ptr().add(text.len()).write(0);
             put(out, buf.as_ptr());
         }
-        if let Some(l) = NonNull::new(len) {
-            // SAFETY: non-null and valid for writes by the caller's contract.
-            unsafe { put(l, text.len()) };
-        }
+        // SAFETY: NULL or valid for a write by the caller's contract.
+        unsafe { put_opt(len, text.len()) };
         Ok(())
     })
 }

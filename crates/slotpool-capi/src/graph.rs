@@ -6,13 +6,13 @@
 //! not a dereference of garbage.
 
 use std::ffi::{c_int, c_void};
-use std::ptr::NonNull;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use rustc_hash::FxHashSet;
 use slotpool_core::{ArenaId, Checkpoint, DevicePtr, RestoreDelta, VariantGroup};
 
 use crate::error::{Error, Result, ffi, sp_status};
+use crate::out::{put, put_opt, required};
 use crate::runtime::{each, runtime};
 use crate::types::sp_pool_id;
 
@@ -89,15 +89,6 @@ fn unregister<T>(p: *mut T, what: &str) -> Result<()> {
     Ok(())
 }
 
-fn put<T>(out: NonNull<T>, v: T) {
-    // SAFETY: every caller passes an out-pointer the C caller guaranteed valid for a write.
-    unsafe { out.as_ptr().write(v) }
-}
-
-fn required<T>(p: *mut T, what: &str) -> Result<NonNull<T>> {
-    NonNull::new(p).ok_or_else(|| Error::null(what))
-}
-
 /// Pointers from a C array.
 ///
 /// # Safety
@@ -115,9 +106,16 @@ unsafe fn ptr_list(ptrs: *const *mut c_void, n: usize) -> Result<Vec<DevicePtr>>
     Ok(s.iter().map(|&p| p as DevicePtr).collect())
 }
 
-fn deliver(delta: RestoreDelta, out: *mut *mut sp_restore_delta) {
-    if let Some(out) = NonNull::new(out) {
-        put(out, register(sp_restore_delta { delta }));
+/// Hands `delta` to the caller through `out` (may be NULL: not wanted).
+///
+/// # Safety
+///
+/// `out` must be NULL or valid for a write.
+unsafe fn deliver(delta: RestoreDelta, out: *mut *mut sp_restore_delta) {
+    // Registered only when wanted: nobody would ever free an unwanted handle.
+    if !out.is_null() {
+        // SAFETY: valid for a write by the caller's contract.
+        unsafe { put_opt(out, register(sp_restore_delta { delta })) };
     }
 }
 
@@ -137,9 +135,11 @@ pub unsafe extern "C" fn sp_checkpoint_take(
 ) -> sp_status {
     ffi(|| {
         let out = required(out, "out")?;
-        put(out, std::ptr::null_mut());
+        // SAFETY: an out-pointer the C caller guarantees valid for a write.
+        unsafe { put(out, std::ptr::null_mut()) };
         let cp = each!(runtime()?.device(device)?, a => a.checkpoint(id.into()))?;
-        put(out, register(sp_checkpoint { device, cp }));
+        // SAFETY: an out-pointer the C caller guarantees valid for a write.
+        unsafe { put(out, register(sp_checkpoint { device, cp })) };
         Ok(())
     })
 }
@@ -170,9 +170,8 @@ pub unsafe extern "C" fn sp_checkpoint_restore(
     delta_out: *mut *mut sp_restore_delta,
 ) -> sp_status {
     ffi(|| {
-        if let Some(out) = NonNull::new(delta_out) {
-            put(out, std::ptr::null_mut());
-        }
+        // SAFETY: NULL or valid for a write by the caller's contract.
+        unsafe { put_opt(delta_out, std::ptr::null_mut()) };
         let c = lookup(cp, "checkpoint")?;
         if c.device != device {
             return Err(Error::InvalidArgument(format!(
@@ -183,7 +182,8 @@ pub unsafe extern "C" fn sp_checkpoint_restore(
         // SAFETY: forwarded from the caller's contract.
         let keep = unsafe { ptr_list(keep_live, n_keep) }?;
         let delta = each!(runtime()?.device(device)?, a => a.restore(id.into(), &c.cp, &keep))?;
-        deliver(delta, delta_out);
+        // SAFETY: NULL or valid for a write by the caller's contract.
+        unsafe { deliver(delta, delta_out) };
         Ok(())
     })
 }
@@ -208,7 +208,12 @@ pub extern "C" fn sp_delta_created_count(d: *const sp_restore_delta) -> usize {
     std::panic::catch_unwind(|| delta_count(d, false)).unwrap_or(0)
 }
 
-fn delta_entry(
+/// Writes entry `i` of a delta's freed (or created) list.
+///
+/// # Safety
+///
+/// `ptr` and `size` must each be NULL (an error) or valid for a write.
+unsafe fn delta_entry(
     d: *const sp_restore_delta,
     i: usize,
     freed: bool,
@@ -226,8 +231,11 @@ fn delta_entry(
     let &(p, s) = list
         .get(i)
         .ok_or_else(|| Error::InvalidArgument(format!("index {i} of {} entries", list.len())))?;
-    put(ptr, p as *mut c_void);
-    put(size, s as usize);
+    // SAFETY: non-null, and valid for writes by the caller's contract.
+    unsafe {
+        put(ptr, p as *mut c_void);
+        put(size, s as usize);
+    }
     Ok(())
 }
 
@@ -243,7 +251,8 @@ pub unsafe extern "C" fn sp_delta_freed(
     ptr: *mut *mut c_void,
     size: *mut usize,
 ) -> sp_status {
-    ffi(|| delta_entry(d, i, true, ptr, size))
+    // SAFETY: the out-pointers as this function's contract says.
+    ffi(|| unsafe { delta_entry(d, i, true, ptr, size) })
 }
 
 /// Entry `i` of the allocations a restore re-created (the caller owns them).
@@ -258,7 +267,8 @@ pub unsafe extern "C" fn sp_delta_created(
     ptr: *mut *mut c_void,
     size: *mut usize,
 ) -> sp_status {
-    ffi(|| delta_entry(d, i, false, ptr, size))
+    // SAFETY: the out-pointers as this function's contract says.
+    ffi(|| unsafe { delta_entry(d, i, false, ptr, size) })
 }
 
 /// Frees a delta (NULL is accepted).
@@ -288,15 +298,19 @@ pub unsafe extern "C" fn sp_variant_group_create(
 ) -> sp_status {
     ffi(|| {
         let out = required(out, "out")?;
-        put(out, std::ptr::null_mut());
+        // SAFETY: an out-pointer the C caller guarantees valid for a write.
+        unsafe { put(out, std::ptr::null_mut()) };
         let group = each!(runtime()?.device(device)?, a => a.variant_group(id.into(), count))?;
-        put(
-            out,
-            register(sp_variant_group {
-                device,
-                group: Mutex::new(group),
-            }),
-        );
+        // SAFETY: an out-pointer the C caller guarantees valid for a write.
+        unsafe {
+            put(
+                out,
+                register(sp_variant_group {
+                    device,
+                    group: Mutex::new(group),
+                }),
+            );
+        }
         Ok(())
     })
 }
@@ -314,13 +328,13 @@ pub unsafe extern "C" fn sp_variant_begin(
     delta_out: *mut *mut sp_restore_delta,
 ) -> sp_status {
     ffi(|| {
-        if let Some(out) = NonNull::new(delta_out) {
-            put(out, std::ptr::null_mut());
-        }
+        // SAFETY: NULL or valid for a write by the caller's contract.
+        unsafe { put_opt(delta_out, std::ptr::null_mut()) };
         let g = lookup(g, "variant group")?;
         let mut group = g.group.lock().unwrap_or_else(PoisonError::into_inner);
         let delta = each!(runtime()?.device(g.device)?, a => a.begin_variant(&mut group, k))?;
-        deliver(delta, delta_out);
+        // SAFETY: NULL or valid for a write by the caller's contract.
+        unsafe { deliver(delta, delta_out) };
         Ok(())
     })
 }
@@ -368,7 +382,8 @@ pub unsafe extern "C" fn sp_arena_create(
     ffi(|| {
         let out = required(out, "out")?;
         let ar = each!(runtime()?.device(device)?, a => a.arena_create(id.into(), stream))?;
-        put(out, ar.0);
+        // SAFETY: an out-pointer the C caller guarantees valid for a write.
+        unsafe { put(out, ar.0) };
         Ok(())
     })
 }
@@ -389,10 +404,12 @@ pub unsafe extern "C" fn sp_arena_alloc(
 ) -> sp_status {
     ffi(|| {
         let out = required(out, "out")?;
-        put(out, std::ptr::null_mut());
+        // SAFETY: an out-pointer the C caller guarantees valid for a write.
+        unsafe { put(out, std::ptr::null_mut()) };
         let p = each!(runtime()?.device(device)?, a =>
             a.arena_alloc(ArenaId(arena), branch, slot, size as u64))?;
-        put(out, p as *mut c_void);
+        // SAFETY: an out-pointer the C caller guarantees valid for a write.
+        unsafe { put(out, p as *mut c_void) };
         Ok(())
     })
 }
@@ -462,7 +479,8 @@ pub unsafe extern "C" fn sp_pool_live_count(
     ffi(|| {
         let out = required(out, "out")?;
         let n = each!(runtime()?.device(device)?, a => a.live_allocations(id.into()))?.len();
-        put(out, n);
+        // SAFETY: an out-pointer the C caller guarantees valid for a write.
+        unsafe { put(out, n) };
         Ok(())
     })
 }
@@ -481,9 +499,8 @@ pub unsafe extern "C" fn sp_pool_drain_pending_frees(
 ) -> sp_status {
     ffi(|| {
         let n = each!(runtime()?.device(device)?, a => a.drain_pending_frees(id.into()))?;
-        if let Some(out) = NonNull::new(left) {
-            put(out, n);
-        }
+        // SAFETY: NULL or valid for a write by the caller's contract.
+        unsafe { put_opt(left, n) };
         Ok(())
     })
 }

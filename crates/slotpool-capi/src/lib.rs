@@ -14,6 +14,7 @@
 pub mod api;
 pub mod error;
 pub mod graph;
+mod out;
 pub mod runtime;
 pub mod snapshot;
 pub mod types;
