@@ -27,6 +27,11 @@ PLUGIN_DIR = os.path.dirname(PKG_DIR)  # torch_plugin/ in a source checkout
 REPO_DIR = os.path.dirname(PLUGIN_DIR)
 CSRC_DIR = os.path.join(PLUGIN_DIR, "csrc")
 SOURCES = ("slotpool_allocator.cpp", "module.cpp")
+# The C++ runtime must be the process's shared libstdc++, the one torch uses. A toolchain whose
+# search path offers only libstdc++.a (the H200 image's /opt/gcc wrapper) would otherwise link a
+# private static copy whose iostreams are never initialised (GCC 13 runs that initialiser from
+# the library), and the first number formatted into a TORCH_CHECK message crashes.
+SHARED_LIBSTDCXX = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
 
 REBUILD_HINT = (
     "Rebuild it against the torch you run: `pip install --no-build-isolation --force-reinstall "
@@ -159,13 +164,6 @@ def build_jit(verbose: bool = False):
         print(f"slotpool_torch: extension ready in {time.time() - t0:.1f}s ({build_dir})", file=sys.stderr)
     check_version(mod, build_dir)
     return mod
-
-
-# The C++ runtime must be the process's shared libstdc++, the one torch uses. A toolchain whose
-# search path offers only libstdc++.a (the H200 image's /opt/gcc wrapper) would otherwise link a
-# private static copy whose iostreams are never initialised (GCC 13 runs that initialiser from
-# the library), and the first number formatted into a TORCH_CHECK message crashes.
-SHARED_LIBSTDCXX = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
 
 
 def load_extension(verbose: bool = False):
