@@ -11,5 +11,9 @@ cp target/release/examples/cuda_probe .gpu/
 cp target/release/slotpool .gpu/
 t=$(ls -t target/release/deps/gpu-* | grep -v '\.d$' | head -1)
 cp "$t" .gpu/slotpool_cuda_gpu_tests
+# The criterion host-cost bench (simulated device) runs on the GPU host too (step host_sim).
+cargo bench --bench alloc --no-run 2>/dev/null
+b=$(ls -t target/release/deps/alloc-* | grep -v '\.d$' | head -1)
+cp "$b" .gpu/alloc_bench_sim
 strip .gpu/* 2>/dev/null || true
 du -sh .gpu

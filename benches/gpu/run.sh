@@ -6,7 +6,8 @@
 # There (through the device tool):    bash benches/gpu/run.sh [STEP...]      carry: .gpu
 #
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch
-# On demand: oom_probe (where an unsatisfiable allocation crashes under slotpool_torch)
+# On demand: oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
+# (growth cost per chunk size), host_sim (the criterion host-cost bench on this host)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -94,8 +95,26 @@ if has torch_uncached; then
     run gpt2_preload_slack8 400 python3 benches/gpu/trace_workloads.py gpt2_train
 fi
 
+if has vmm_sizes; then
+  # Growth cost against physical chunk size, and whether growth waits for running kernels.
+  if nvcc -O2 -std=c++17 benches/gpu/vmm_sizes.cu -lcuda -o "$BUILD/vmm_sizes" >"$OUT/vmm_sizes_build.log" 2>&1; then
+    run vmm_sizes 200 "$BUILD/vmm_sizes"
+    grep '^{' "$OUT/vmm_sizes.log" | sed 's/^{/{"step": "vmm_sizes", /' >>"$RES"
+  else
+    note vmm_sizes "\"build\": false"
+    tail -n 30 "$OUT/vmm_sizes_build.log"
+  fi
+fi
+
+if has host_sim && [ -x "$LIB/alloc_bench_sim" ]; then
+  # The criterion host-cost bench on the simulated device, run on this host: separates the CPU's
+  # speed from what the CUDA backend adds to a pair (compare with alloc_bench's slotpool rows).
+  run host_sim 300 "$LIB/alloc_bench_sim" --bench --noplot --warm-up-time 1 --measurement-time 3 \
+    'pair/vmm/(4KiB|1MiB)$|pair/classic/1MiB$|^threads/1$'
+fi
+
 if has alloc_bench; then
-  OUT=$OUT KINDS=0,1,3 run alloc_bench 600 python3 benches/gpu/alloc_bench.py
+  OUT=$OUT KINDS=${KINDS:-0,1,3} run alloc_bench 600 python3 benches/gpu/alloc_bench.py
 fi
 
 if has variants; then

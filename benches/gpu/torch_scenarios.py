@@ -13,8 +13,11 @@ one JSON line {"scenario": ..., "ok": ..., ...}; a failure is reported, never fa
              record_stream, _snapshot, OutOfMemoryError, torch.cuda.graph + reset, graphed
              callables, torch.compile reduce-overhead, cudnn benchmark) under native (control) and
              slotpool, plus slotpool's own API (named pools, checkpoint/restore, arenas, variants)
-  parity     gpt2_train (trace_workloads.py): same seed, losses equal under slotpool and native;
-             step time and peak reserved
+  parity     PARITY_WORKLOADS (trace_workloads.py; gpt2_train llama_train): same seed, losses
+             under slotpool and native, step time and peak reserved; then the same workloads on
+             the math attention path, where losses must be bit-identical
+             (PARITY_DETERMINISTIC=0 skips that part); PARITY_SLOTPOOL_CONFS="conf;conf" adds
+             slotpool runs with other SLOTPOOL_CONF strings
   variants   dynamic-CP variants (graph_variants.py): capture growth of a slotpool variant group
              vs the largest variant alone; replay outputs equal eager in several replay orders
   seed       seed_shared_pools.py: per-layer graphs, and one shared capture into a named pool
@@ -506,11 +509,22 @@ def c_parity(alloc, arg):
     import torch
     sys.path.insert(0, HERE)
     from trace_workloads import build_workload
+    # "WORKLOAD:det" runs it on the math attention path instead of the fused ones (whose backward
+    # passes accumulate in a racy order): then two native runs should agree bit for bit, and so
+    # must slotpool, which only decides addresses. Ops with no deterministic kernel are listed.
+    arg, _, det = (arg or "gpt2_train").partition(":")
+    if det:
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    import warnings
+    nondeterministic = warnings.catch_warnings(record=True).__enter__()  # kept for the process
+    warnings.simplefilter("always")
     torch.manual_seed(0)
     random.seed(0)
     torch.empty(1, device="cuda")
-    step, n = build_workload(arg or "gpt2_train", "cuda")
+    step, n = build_workload(arg, "cuda")
     losses, times = [], []
     for _ in range(n):
         torch.cuda.synchronize()
@@ -523,7 +537,9 @@ def c_parity(alloc, arg):
     return {"losses": losses, "loss_hex": [float.hex(v) for v in losses], "step_s": times,
             "median_step_s": sorted(times)[len(times) // 2],
             "peak_reserved": st["reserved_bytes.all.peak"], "peak_allocated": st["allocated_bytes.all.peak"],
-            "num_device_alloc": st.get("num_device_alloc"), "ok": True}
+            "num_device_alloc": st.get("num_device_alloc"), "ok": True,
+            "nondeterministic_ops": sorted({str(w.message)[:160] for w in nondeterministic
+                                            if "deterministic" in str(w.message)})}
 
 
 def c_variants(alloc, mode):
@@ -879,6 +895,23 @@ def s_parity():
                                            and diff <= max(noise * 2, 1e-3)),
                     "step_ok": bool(ts and tn and ts <= 1.02 * tn),
                     "reserved_ok": bool(pr_s and pr_e and pr_s <= pr_e)})
+        # Other slotpool configurations, for step time and peak reserved only.
+        for conf in filter(None, os.environ.get("PARITY_SLOTPOOL_CONFS", "").split(";")):
+            r = run_child("parity", "slotpool", w, extra_env={**env, "SLOTPOOL_CONF": conf})
+            res.setdefault("slotpool_confs", {})[conf] = {
+                k: r.get(k) for k in ("step_s", "median_step_s", "peak_reserved", "losses", "error")}
+        if os.environ.get("PARITY_DETERMINISTIC", "1") != "0":
+            # The same workload with deterministic kernels: losses must be bit-identical.
+            d1 = run_child("parity", "native", w + ":det", extra_env=env)
+            ds = run_child("parity", "slotpool", w + ":det", extra_env=env)
+            d2 = run_child("parity", "native", w + ":det", extra_env=env)
+            dn, dsl, dn2 = d1.get("loss_hex"), ds.get("loss_hex"), d2.get("loss_hex")
+            res["deterministic"] = {
+                "native": dn, "slotpool": dsl, "native_again": dn2,
+                "native_deterministic": bool(dn) and dn == dn2,
+                "losses_identical": bool(dn) and dn == dsl,
+                "errors": [r.get("error") for r in (d1, ds, d2) if r.get("error")]}
+            res["losses_ok"] = res["losses_ok"] and res["deterministic"]["losses_identical"]
         res["ok"] = res["losses_ok"] and res["step_ok"] and res["reserved_ok"]
         out[w] = res
     out["ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
