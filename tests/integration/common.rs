@@ -10,17 +10,30 @@ pub const MIB: u64 = 1 << 20;
 
 /// A byte-backed simulated device of `total` bytes and an allocator over it.
 pub fn setup(growth: GrowthMode, total: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    setup_paged(growth, total, None)
+}
+
+/// As [`setup`], with vmm pages of `page` bytes (`vmm_page_mb`; the device is built with them).
+/// Pages above 2 MiB put small blocks in classic segments: one shard mixes both kinds.
+pub fn setup_paged(
+    growth: GrowthMode,
+    total: u64,
+    page: Option<u64>,
+) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let defaults = SimConfig::default();
     let dev = Arc::new(
         SimDevice::new(SimConfig {
             total_memory: total,
             backing: Backing::Bytes,
-            ..SimConfig::default()
+            page_size: page.unwrap_or(defaults.page_size),
+            ..defaults
         })
         .expect("sim device"),
     );
     let config = Config {
         growth,
         vmm_reservation: Some(1 << 30),
+        vmm_page_size: page,
         ..Config::default()
     };
     let alloc = Allocator::new(dev.clone(), config);

@@ -5,7 +5,7 @@ use proptest::prelude::*;
 use slotpool::core::{AllocError, GrowthMode};
 use slotpool::sim::CallKind;
 
-use crate::common::{Live, MIB, check_all, fill_probes, setup};
+use crate::common::{Live, MIB, check_all, fill_probes, setup_paged};
 
 const STREAMS: [u64; 3] = [0, 7, 9];
 
@@ -54,7 +54,11 @@ struct Guard {
 }
 
 fn run(growth: GrowthMode, ops: &[Op]) {
-    let (dev, alloc) = setup(growth, 256 * MIB);
+    run_paged(growth, None, ops);
+}
+
+fn run_paged(growth: GrowthMode, page: Option<u64>, ops: &[Op]) {
+    let (dev, alloc) = setup_paged(growth, 256 * MIB, page);
     let mut live: Vec<Live> = Vec::new();
     let mut uses: Vec<Vec<u64>> = Vec::new();
     let mut guards: Vec<Guard> = Vec::new();
@@ -170,6 +174,12 @@ proptest! {
     fn classic_random_sequences(ops in prop::collection::vec(op_strategy(), 1..120)) {
         run(GrowthMode::Classic, &ops);
     }
+
+    /// 8 MiB pages: large blocks on vmm pages, small ones in classic segments, in one shard.
+    #[test]
+    fn vmm_large_page_random_sequences(ops in prop::collection::vec(op_strategy(), 1..120)) {
+        run_paged(GrowthMode::Vmm, Some(8 * MIB), &ops);
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -219,9 +229,13 @@ fn cp_op() -> impl Strategy<Value = CpOp> {
 type Held = (u64, u64, u64);
 
 fn run_checkpoints(growth: GrowthMode, ops: &[CpOp]) {
+    run_checkpoints_paged(growth, None, ops);
+}
+
+fn run_checkpoints_paged(growth: GrowthMode, page: Option<u64>, ops: &[CpOp]) {
     use slotpool::core::{PoolId, PoolOptions};
     let pool = PoolId(0, 42);
-    let (dev, alloc) = setup(growth, 512 * MIB);
+    let (dev, alloc) = setup_paged(growth, 512 * MIB, page);
     alloc
         .create_or_incref_pool(pool, PoolOptions::default())
         .unwrap();
@@ -401,5 +415,10 @@ proptest! {
     #[test]
     fn classic_checkpoint_restore_sequences(ops in prop::collection::vec(cp_op(), 1..80)) {
         run_checkpoints(GrowthMode::Classic, &ops);
+    }
+
+    #[test]
+    fn vmm_large_page_checkpoint_restore_sequences(ops in prop::collection::vec(cp_op(), 1..80)) {
+        run_checkpoints_paged(GrowthMode::Vmm, Some(8 * MIB), &ops);
     }
 }

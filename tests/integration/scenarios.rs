@@ -616,3 +616,27 @@ fn switching_between_checkpoints_forever_keeps_the_journal_bounded() {
     assert_eq!(a.live_allocations(POOL).unwrap().len(), 5);
     check_all(&dev, &a, &[]);
 }
+
+#[test]
+fn large_pages_keep_small_blocks_in_classic_segments() {
+    let (dev, a) = crate::common::setup_paged(GrowthMode::Vmm, 1 << 30, Some(8 * MIB));
+    let small = a.alloc(4096, 0).unwrap();
+    let large = a.alloc(9 * MIB, 0).unwrap();
+    let st = a.stats();
+    // A small block takes a 2 MiB classic segment, not an 8 MiB page; the large one two pages.
+    assert_eq!(st.reserved_bytes.small_pool.current, 2 * MIB as i64);
+    assert_eq!(st.reserved_bytes.large_pool.current, 16 * MIB as i64);
+    let snap = a.snapshot();
+    assert!(snap.iter().any(|s| s.small && !s.vmm && s.size == 2 * MIB));
+    assert!(snap.iter().any(|s| !s.small && s.vmm));
+    fill_probes(&dev, small, 4096, 1);
+    fill_probes(&dev, large, 9 * MIB, 2);
+    a.check_invariants().unwrap();
+    verify_probes(&dev, small, 4096, 1).unwrap();
+    verify_probes(&dev, large, 9 * MIB, 2).unwrap();
+    a.free(small).unwrap();
+    a.free(large).unwrap();
+    a.empty_cache();
+    a.check_invariants().unwrap();
+    assert_eq!(dev.physical_bytes(), 0);
+}

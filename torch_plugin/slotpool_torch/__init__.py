@@ -62,11 +62,15 @@ def load(verbose: bool = False):
     return _ext
 
 
-# What PyTorch programs get unless conf= or $SLOTPOOL_CONF says otherwise. A training step frees and
-# re-allocates most of its memory in a shifting pattern; with no slack, physical memory follows
-# live bytes exactly and every shift remaps pages (gpt2_train on the H200: 111 ms per step against
-# PyTorch's 80 ms). A little idle memory per (pool, stream) absorbs that. Captures never use it.
-DEFAULT_CONF = "vmm_slack_percent:8"
+# What PyTorch programs get unless conf= or $SLOTPOOL_CONF says otherwise (docs/benchmarks.md has the
+# measurements). A training step frees and re-allocates most of its memory in a shifting pattern;
+# with no slack, physical memory follows live bytes exactly and every shift remaps pages. A little
+# idle memory per (pool, stream) absorbs that; captures never use it. Growth costs ~33 us per
+# page on the H200 whatever the page size, so 16 MiB pages make a step that reaches a new peak
+# (llama_train's second step) 8x cheaper than 2 MiB ones; small blocks then take 2 MiB classic
+# segments. With both, the replays of gpt2_train and llama_train stay below PyTorch's expandable
+# segments in peak reserved.
+DEFAULT_CONF = "vmm_slack_percent:8,vmm_page_mb:16"
 
 
 def install(backend: str | None = "cuda", conf: str | None = None, verbose: bool = False) -> None:

@@ -361,11 +361,13 @@ impl Runtime {
         }
         let alloc = match self.kind {
             BackendKind::Sim => {
+                let defaults = SimConfig::default();
                 let dev = SimDevice::new(SimConfig {
                     total_memory: self.sim.memory,
                     backing: Backing::Accounting,
                     auto_complete: self.sim.auto_complete,
-                    ..SimConfig::default()
+                    page_size: self.config.vmm_page_size.unwrap_or(defaults.page_size),
+                    ..defaults
                 })?;
                 let dev = SimDev {
                     inner: dev,
@@ -382,10 +384,13 @@ impl Runtime {
                 } else {
                     None
                 };
-                let dev = match probed {
+                let mut dev = match probed {
                     Some(d) => d,
                     None => CudaDevice::new(i as i32)?,
                 };
+                if let Some(page) = self.config.vmm_page_size {
+                    dev.set_page_size(page)?;
+                }
                 let mut config = self.config.clone();
                 if config.growth == GrowthMode::Vmm && !dev.vmm_supported() {
                     tracing::warn!(

@@ -53,6 +53,7 @@ fn child() {
         "init_errors" => init_errors(),
         "explicit_init" => explicit_init(),
         "lazy_init" => lazy_init(),
+        "vmm_page_size" => vmm_page_size(),
         "lazy_init_bad_env" => lazy_init_bad_env(),
         "auto_backend" => auto_backend(),
         "shutdown" => shutdown(),
@@ -166,6 +167,18 @@ fn lazy_init() {
         unsafe { sp_init(c"sim".as_ptr(), ptr::null()) },
         sp_status::SP_ERR_INVALID_STATE,
     );
+}
+
+fn vmm_page_size() {
+    // SLOTPOOL_CONF=vmm_page_mb:8 is set by the parent: the device is built with 8 MiB pages,
+    // which large blocks take; small blocks take 2 MiB classic segments.
+    let p = alloc(0, 1000, 0);
+    assert_eq!(stats(0).reserved_bytes.all.current, 2 << 20);
+    let q = alloc(0, 9 << 20, 0);
+    assert_eq!(stats(0).reserved_bytes.large_pool.current, 16 << 20);
+    ok(sp_free(q));
+    ok(sp_free(p));
+    ok(sp_check_invariants(0));
 }
 
 fn lazy_init_bad_env() {
@@ -343,6 +356,11 @@ fn explicit_init_merges_conf_over_the_environment() {
             "sim_devices:2,growth:classic,sim_memory_mb:1024",
         )],
     );
+}
+
+#[test]
+fn vmm_page_size_is_a_device_option() {
+    run_child("vmm_page_size", &[("SLOTPOOL_CONF", "vmm_page_mb:8")]);
 }
 
 #[test]

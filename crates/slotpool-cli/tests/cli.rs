@@ -202,6 +202,20 @@ fn replay_takes_a_configuration_and_refuses_a_bad_one() {
         peak(&slack),
         peak(&exact)
     );
+    // Larger pages: the simulated device is built with them, and growth needs a quarter of the
+    // map calls.
+    let maps = |out: &Output| -> u64 {
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        v["backend_calls"]["map"].as_u64().expect("map calls")
+    };
+    let large = run("vmm_slack_percent:8,vmm_page_mb:8");
+    assert!(large.status.success());
+    assert!(
+        maps(&large) * 3 < maps(&slack),
+        "{} vs {}",
+        maps(&large),
+        maps(&slack)
+    );
     let bad = run("no_such_key:1");
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--conf"));

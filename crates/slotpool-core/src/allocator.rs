@@ -107,6 +107,13 @@ impl<D: Device> Allocator<D> {
     pub fn new(dev: Arc<D>, config: Config) -> Self {
         let total = dev.total_memory();
         let ps = dev.page_size().max(1);
+        if config.vmm_page_size.is_some_and(|want| want != ps) {
+            tracing::warn!(
+                device_page = ps,
+                configured = config.vmm_page_size,
+                "vmm_page_mb applies where the device is built; this device keeps its page size"
+            );
+        }
         let limit = Self::limit_for(&config, total);
         let vmm_reservation = config.vmm_reservation.unwrap_or(total).max(ps).div_ceil(ps) * ps;
         let mut pools = FxHashMap::default();

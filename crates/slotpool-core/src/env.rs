@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use crate::config::GrowthMode;
 use crate::device::{Device, DeviceError, DeviceResult, EventHandle, PageHandle};
-use crate::policy::SizePolicy;
+use crate::policy::{SMALL_BUFFER, SizePolicy};
 use crate::sync::lock;
 
 /// Physical bytes this allocator holds on the device, the most it may hold, and the most it
@@ -202,6 +202,15 @@ impl Env<'_> {
 
     pub fn page_size(&self) -> u64 {
         self.page_size
+    }
+
+    /// Whether blocks of this size class grow by vmm pages. With pages larger than a small
+    /// segment (`vmm_page_mb` above 2), small blocks take classic 2 MiB segments instead, as
+    /// PyTorch's expandable segments keep 2 MiB pages for them: one large page per (pool, stream)
+    /// for a few small tensors would hold up to a page of idle memory in every small pool.
+    #[inline]
+    pub fn vmm_for(&self, small: bool) -> bool {
+        self.growth == GrowthMode::Vmm && !(small && self.page_size > SMALL_BUFFER)
     }
 
     /// A physical page for growth: from the device pool, else a new one within the budget.

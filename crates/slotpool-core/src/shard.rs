@@ -325,7 +325,7 @@ impl Shard {
             }
         }
         let (size, _, id) = best?;
-        if env.growth == GrowthMode::Classic && !env.policy.may_serve(size, rounded) {
+        if !env.vmm_for(small) && !env.policy.may_serve(size, rounded) {
             return None;
         }
         Some(id)
@@ -333,7 +333,12 @@ impl Shard {
 
     /// Add a segment big enough for `rounded` bytes; returns its one free block.
     fn grow(&mut self, env: &Env<'_>, rounded: u64, small: bool) -> Result<BlockId, ShardError> {
-        let (addr, size, kind) = match env.growth {
+        let growth = if env.vmm_for(small) {
+            GrowthMode::Vmm
+        } else {
+            GrowthMode::Classic
+        };
+        let (addr, size, kind) = match growth {
             GrowthMode::Classic => {
                 let size = env.policy.segment_size(rounded);
                 if !env.pool_budget.try_claim(size) {

@@ -135,6 +135,39 @@ fn vmm_reserve_map_unmap_remap_release() {
 }
 
 #[test]
+fn larger_pages_are_multiples_of_the_granularity() {
+    let Some((_serial, mut dev)) = device() else {
+        return;
+    };
+    if !dev.vmm_supported() {
+        println!("skipped: no VMM support");
+        return;
+    }
+    let granularity = dev.page_size();
+    assert!(matches!(
+        dev.set_page_size(granularity + granularity / 2),
+        Err(DeviceError::InvalidArgument(_))
+    ));
+    assert!(dev.set_page_size(0).is_err());
+    assert_eq!(dev.page_size(), granularity, "a refused size changes nothing");
+    dev.set_page_size(4 * granularity).expect("4 x granularity");
+    let page = dev.page_size();
+    assert_eq!(page, 4 * granularity);
+    let base = dev.reserve(2 * page).expect("reserve");
+    assert_eq!(base % page, 0);
+    let p = dev.create_page().expect("create a large page");
+    dev.map(base + page, p).expect("map it");
+    dev.make_current().expect("make_current");
+    // The whole large page is backed: its last byte is writable.
+    memset(base + page, 0x33, page as usize);
+    assert!(read(base + 2 * page - 4096, 4096).iter().all(|&b| b == 0x33));
+    dev.unmap(base + page).expect("unmap");
+    dev.release_page(p).expect("release");
+    dev.release_reservation(base, 2 * page)
+        .expect("release_reservation");
+}
+
+#[test]
 fn events_on_the_null_stream() {
     let Some((_serial, dev)) = device() else {
         return;
