@@ -149,7 +149,11 @@ fn larger_pages_are_multiples_of_the_granularity() {
         Err(DeviceError::InvalidArgument(_))
     ));
     assert!(dev.set_page_size(0).is_err());
-    assert_eq!(dev.page_size(), granularity, "a refused size changes nothing");
+    assert_eq!(
+        dev.page_size(),
+        granularity,
+        "a refused size changes nothing"
+    );
     dev.set_page_size(4 * granularity).expect("4 x granularity");
     let page = dev.page_size();
     assert_eq!(page, 4 * granularity);
@@ -160,7 +164,11 @@ fn larger_pages_are_multiples_of_the_granularity() {
     dev.make_current().expect("make_current");
     // The whole large page is backed: its last byte is writable.
     memset(base + page, 0x33, page as usize);
-    assert!(read(base + 2 * page - 4096, 4096).iter().all(|&b| b == 0x33));
+    assert!(
+        read(base + 2 * page - 4096, 4096)
+            .iter()
+            .all(|&b| b == 0x33)
+    );
     dev.unmap(base + page).expect("unmap");
     dev.release_page(p).expect("release");
     dev.release_reservation(base, 2 * page)
