@@ -361,13 +361,12 @@ impl Runtime {
         }
         let alloc = match self.kind {
             BackendKind::Sim => {
-                let defaults = SimConfig::default();
                 let dev = SimDevice::new(SimConfig {
                     total_memory: self.sim.memory,
                     backing: Backing::Accounting,
                     auto_complete: self.sim.auto_complete,
-                    page_size: self.config.vmm_page_size.unwrap_or(defaults.page_size),
-                    ..defaults
+                    page_size: (self.config.vmm_page_size)
+                        .unwrap_or(SimConfig::default().page_size),
                 })?;
                 let dev = SimDev {
                     inner: dev,

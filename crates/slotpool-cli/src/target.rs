@@ -29,13 +29,11 @@ impl SlotpoolTarget {
 
     /// A target with a full configuration (`SLOTPOOL_CONF` syntax through [`Config::parse`]).
     pub fn with_config(config: Config, total_memory: u64) -> Result<Self, String> {
-        let defaults = SimConfig::default();
         let dev = SimDevice::new(SimConfig {
             total_memory,
             backing: Backing::Accounting,
             auto_complete: true,
-            page_size: config.vmm_page_size.unwrap_or(defaults.page_size),
-            ..defaults
+            page_size: (config.vmm_page_size).unwrap_or(SimConfig::default().page_size),
         })
         .map_err(|e| e.to_string())?;
         let dev = Arc::new(dev);

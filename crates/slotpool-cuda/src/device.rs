@@ -260,7 +260,7 @@ impl CudaDevice {
     /// positive multiple of the allocation granularity (2 MiB on current GPUs); otherwise
     /// [`DeviceError::InvalidArgument`] and nothing changes.
     pub fn set_page_size(&mut self, bytes: u64) -> DeviceResult<()> {
-        if bytes == 0 || bytes % self.granularity != 0 {
+        if bytes == 0 || !bytes.is_multiple_of(self.granularity) {
             return Err(DeviceError::InvalidArgument(format!(
                 "vmm page size {bytes} is not a positive multiple of the granularity {}",
                 self.granularity
