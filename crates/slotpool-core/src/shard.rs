@@ -8,7 +8,7 @@ use rustc_hash::FxHashMap;
 use crate::id_slab::IdSlab;
 
 use crate::block::{Block, BlockId, BlockState, PageTable, Segment, SegmentId, SegmentKind};
-use crate::checkpoint::{Mark, Undo};
+use crate::checkpoint::{Journal, Mark, Undo};
 use crate::config::GrowthMode;
 use crate::device::{DeviceError, DevicePtr, EventHandle, PageHandle, StreamId};
 use crate::env::Env;
@@ -81,11 +81,11 @@ pub struct Shard {
     pub(crate) deferred: Vec<BlockId>,
     /// vmm: frees since the last recorded event belong to `epoch`; pages idle since an epoch below
     /// `safe_epoch` may be unmapped.
-    epoch: u64,
+    pub(crate) epoch: u64,
     safe_epoch: u64,
     epoch_events: VecDeque<(u64, EventHandle)>,
     /// Undo log of block changes since the oldest live checkpoint mark (see `checkpoint.rs`).
-    pub(crate) journal: Vec<Undo>,
+    pub(crate) journal: Journal,
     pub(crate) marks: Vec<Mark>,
     /// Allocated blocks by address: `free(ptr)` finds its block here, under the shard's lock.
     pub(crate) live: FxHashMap<DevicePtr, BlockId>,
@@ -125,7 +125,7 @@ impl Shard {
             epoch: 1,
             safe_epoch: 0,
             epoch_events: VecDeque::new(),
-            journal: Vec::new(),
+            journal: Journal::default(),
             marks: Vec::new(),
             live: FxHashMap::default(),
             seg_log: Vec::new(),
@@ -196,7 +196,7 @@ impl Shard {
 
     /// Whether free block `id` ends a vmm segment (and so lives in its `free_tail`).
     #[inline]
-    fn is_vmm_tail(&self, id: BlockId) -> bool {
+    pub(crate) fn is_vmm_tail(&self, id: BlockId) -> bool {
         let b = &self.blocks[id];
         let seg = &self.segments[b.segment];
         seg.is_vmm() && b.addr + b.size == seg.addr + seg.size
@@ -231,7 +231,7 @@ impl Shard {
         }
     }
 
-    fn is_inactive_split(&self, id: BlockId) -> bool {
+    pub(crate) fn is_inactive_split(&self, id: BlockId) -> bool {
         let b = &self.blocks[id];
         !self.segments[b.segment].is_vmm() && (b.prev.is_some() || b.next.is_some())
     }
