@@ -1,15 +1,16 @@
-//! A slab whose ids can be pinned: while a checkpoint journal is open, ids are never reused, so
-//! an undo entry can put a block back under exactly the id that links and the pointer map use.
+//! A slab whose ids can be held back: while a checkpoint journal is open, an id that a journal
+//! entry names is not reused, so an undo entry can put a block back under exactly the id that
+//! links and the pointer map use.
 
 /// `Vec<Option<T>>` plus a stack of vacant ids (entries may be stale: popping skips occupied
-/// ids).
+/// ids). While `hold` is on, freed ids go to `held` instead: the journal names them.
 #[derive(Clone, Debug)]
 pub struct IdSlab<T> {
     slots: Vec<Option<T>>,
     vacant: Vec<usize>,
+    held: Vec<usize>,
     len: usize,
-    /// When false, new entries always get fresh ids.
-    pub reuse: bool,
+    hold: bool,
 }
 
 impl<T> Default for IdSlab<T> {
@@ -17,8 +18,9 @@ impl<T> Default for IdSlab<T> {
         IdSlab {
             slots: Vec::new(),
             vacant: Vec::new(),
+            held: Vec::new(),
             len: 0,
-            reuse: true,
+            hold: false,
         }
     }
 }
@@ -36,14 +38,42 @@ impl<T> IdSlab<T> {
         self.len == 0
     }
 
+    /// While on, freed ids are held back instead of reused; turning it off releases them all.
+    pub fn set_hold(&mut self, on: bool) {
+        if !on {
+            self.vacant.append(&mut self.held);
+        }
+        self.hold = on;
+    }
+
+    /// Release the held ids that are vacant and not `named` (by a journal entry) for reuse;
+    /// forget those occupied again (a restore put a block back under them).
+    pub fn release_held(&mut self, named: impl Fn(usize) -> bool) {
+        let slots = &self.slots;
+        let vacant = &mut self.vacant;
+        self.held.retain(|&id| {
+            if slots[id].is_some() {
+                return false;
+            }
+            if named(id) {
+                return true;
+            }
+            vacant.push(id);
+            false
+        });
+    }
+
+    /// Ids held back (for tests and statistics).
+    pub fn held_len(&self) -> usize {
+        self.held.len()
+    }
+
     pub fn insert(&mut self, v: T) -> usize {
-        if self.reuse {
-            while let Some(id) = self.vacant.pop() {
-                if self.slots[id].is_none() {
-                    self.slots[id] = Some(v);
-                    self.len += 1;
-                    return id;
-                }
+        while let Some(id) = self.vacant.pop() {
+            if self.slots[id].is_none() {
+                self.slots[id] = Some(v);
+                self.len += 1;
+                return id;
             }
         }
         self.slots.push(Some(v));
@@ -66,15 +96,28 @@ impl<T> IdSlab<T> {
     pub fn remove(&mut self, id: usize) -> T {
         let v = self.slots[id].take().expect("remove of a vacant slot");
         self.len -= 1;
-        self.vacant.push(id);
+        self.vacate(id);
         v
     }
 
     pub fn take(&mut self, id: usize) -> Option<T> {
         let v = self.slots.get_mut(id)?.take()?;
         self.len -= 1;
-        self.vacant.push(id);
+        self.vacate(id);
         Some(v)
+    }
+
+    fn vacate(&mut self, id: usize) {
+        if self.hold {
+            self.held.push(id);
+        } else {
+            self.vacant.push(id);
+        }
+    }
+
+    /// Slots, vacant or not (the slab's memory grows with this).
+    pub fn capacity_ids(&self) -> usize {
+        self.slots.len()
     }
 
     pub fn get(&self, id: usize) -> Option<&T> {
