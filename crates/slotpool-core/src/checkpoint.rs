@@ -1154,16 +1154,7 @@ impl Shard {
             return;
         }
         w.retained = (seg, first, end);
-        match &mut segment.kind {
-            SegmentKind::Classic => segment.retained = true,
-            SegmentKind::Vmm(pt) => {
-                for p in first..end.min(pt.handle.len()) {
-                    if pt.handle[p].is_some() {
-                        pt.set_retained(p, true);
-                    }
-                }
-            }
-        }
+        Self::retain_pages_of(segment, first, end);
     }
 
     /// Rebuild a free index from its entries that were not taken out and the new `keys`.

@@ -1016,6 +1016,11 @@ impl Shard {
     pub(crate) fn retain_range(&mut self, env: &Env<'_>, seg: SegmentId, addr: u64, size: u64) {
         let segment = &mut self.segments[seg];
         let (first, end) = Self::page_range(env, segment.addr, addr, size);
+        Self::retain_pages_of(segment, first, end);
+    }
+
+    /// Mark pages [first, end) of `segment` graph-retained (a classic segment as a whole).
+    pub(crate) fn retain_pages_of(segment: &mut Segment, first: usize, end: usize) {
         match &mut segment.kind {
             SegmentKind::Classic => segment.retained = true,
             SegmentKind::Vmm(pt) => {
