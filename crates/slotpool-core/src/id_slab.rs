@@ -63,11 +63,6 @@ impl<T> IdSlab<T> {
         });
     }
 
-    /// Ids held back (for tests and statistics).
-    pub fn held_len(&self) -> usize {
-        self.held.len()
-    }
-
     pub fn insert(&mut self, v: T) -> usize {
         while let Some(id) = self.vacant.pop() {
             if self.slots[id].is_none() {
