@@ -6,7 +6,7 @@
 # There (through the device tool):    bash benches/gpu/run.sh [STEP...]      carry: .gpu
 #
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch
-# On demand: oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
+# On demand: record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
 # (growth cost per chunk size), host_sim (the criterion host-cost bench on this host)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -121,6 +121,10 @@ if has variants; then
   for m in separate single:0 shared; do
     OUT=$OUT run "record_${m/:/}" 400 python3 benches/gpu/record_graph_variants.py "$m"
   done
+fi
+
+if has record_seed; then # the seed scenario's trace, for `slotpool replay --variants shared`
+  OUT=$OUT run record_seed 300 python3 benches/gpu/record_seed.py shared
 fi
 
 if has oom_probe; then

@@ -637,38 +637,21 @@ def c_variants(alloc, mode):
 def c_seed(alloc, mode):
     sp = child_setup(alloc)
     import torch
+    sys.path.insert(0, HERE)
+    import seed_model
     L = int(os.environ.get("SEED_LAYERS", "12"))
     dev, dt = "cuda", torch.bfloat16
-    D, H, E, S, B = 2048, 16, 4, 2048, 2
-
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1 = torch.nn.LayerNorm(D, device=dev, dtype=dt)
-            self.attn = torch.nn.MultiheadAttention(D, H, batch_first=True, device=dev, dtype=dt)
-            self.ln2 = torch.nn.LayerNorm(D, device=dev, dtype=dt)
-            self.gate = torch.nn.Linear(D, E, device=dev, dtype=dt)
-            self.w1 = torch.nn.Parameter(torch.randn(E, D, 2 * D, device=dev, dtype=dt) * 0.02)
-            self.w2 = torch.nn.Parameter(torch.randn(E, 2 * D, D, device=dev, dtype=dt) * 0.02)
-
-        def forward(self, x):
-            h = self.ln1(x)
-            x = x + self.attn(h, h, h, need_weights=False)[0]
-            h = self.ln2(x)
-            g = torch.softmax(self.gate(h).float(), -1).to(dt)
-            y = torch.einsum("bsd,edf->bsef", h, self.w1).relu()
-            y = torch.einsum("bsef,efd->bsed", y, self.w2)
-            return x + (y * g.unsqueeze(-1)).sum(2)
+    B, S, D = seed_model.B, seed_model.S, seed_model.D
 
     mode, _, fraction = mode.partition("@")
     torch.manual_seed(0)
-    layers = [Layer() for _ in range(L)]
+    layers = seed_model.build_layers(L, dev, dt)
     torch.cuda.synchronize()
     if fraction:
         torch.cuda.set_per_process_memory_fraction(float(fraction))
     torch.cuda.reset_peak_memory_stats()
     r0 = torch.cuda.memory_reserved()
-    args = [(torch.randn(B, S, D, device=dev, dtype=dt, requires_grad=True),) for _ in range(L)]
+    args = seed_model.inputs(L, dev, dt)
     t = time.time()
     err = None
     y_sum = None
@@ -683,6 +666,8 @@ def c_seed(alloc, mode):
             g = list(torch.cuda.make_graphed_callables(tuple(layers), tuple(args), pool=pool))
         else:
             g = layers
+        # Running peaks when capture ends: tells a capture-time peak from one in the graphed step.
+        after_capture = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
         x = torch.randn(B, S, D, device=dev, dtype=dt, requires_grad=True)
         y = x
         for f in g:
@@ -692,7 +677,9 @@ def c_seed(alloc, mode):
         y_sum = float(y.float().sum())
     except torch.OutOfMemoryError as e:
         err = "OOM: " + str(e).splitlines()[0][:160]
+        after_capture = None
     return {"mode": mode, "fraction": float(fraction) if fraction else None,
+            "peaks_after_capture": after_capture,
             "total_memory": torch.cuda.get_device_properties(0).total_memory,
             "layers": L, "capture_s": round(time.time() - t, 2),
             "peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved(),
@@ -963,7 +950,8 @@ def s_seed():
             for alloc, mode in (("native", "per_entry"), ("slotpool", "shared_named")):
                 runs[f"{alloc}:{mode}@{frac}"] = run_child("seed", alloc, f"{mode}@{frac}")
     res = {"runs": {k: {kk: v.get(kk) for kk in ("peak_allocated", "peak_reserved", "reserved_growth",
-                                                  "capture_s", "error", "y_sum", "fraction")}
+                                                  "capture_s", "error", "y_sum", "fraction",
+                                                  "peaks_after_capture")}
                     for k, v in runs.items()}}
     ratio = (sn["peak_reserved"] / sn["peak_allocated"]) if sn.get("peak_allocated") else None
     res["slotpool_reserved_over_allocated"] = ratio

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use slotpool_cli::plot::write_svg;
-use slotpool_cli::variants::{VariantMode, replay_variants};
+use slotpool_cli::variants::{VariantMode, replay_variants_with};
 use slotpool_cli::{
     ReadOptions, ReplayOptions, ReplayReport, ReplayTarget, SlotpoolTarget, read_trace_with, replay,
 };
@@ -130,7 +130,12 @@ fn run_replay(args: &ReplayArgs) -> Result<(), String> {
             Variants::Shared => VariantMode::Shared,
             Variants::Group => VariantMode::Group,
         };
-        let report = replay_variants(&trace, mode)?;
+        let mut config = match args.conf.as_deref() {
+            Some(c) => Config::parse(c).map_err(|e| format!("--conf: {e}"))?,
+            None => Config::default(),
+        };
+        config.growth = GrowthMode::Vmm;
+        let report = replay_variants_with(&trace, mode, config)?;
         println!(
             "{}",
             serde_json::to_string(&report).map_err(|e| e.to_string())?

@@ -49,6 +49,15 @@ pub struct VariantReport {
     /// Allocations that a variant's restore freed (what earlier variants left live).
     pub freed_by_restore: u64,
     pub skipped_frees: u64,
+    /// Peak of the bytes the trace holds live (its own sizes, every pool), from the first
+    /// `variant_begin` on: the "peak allocated" that a reserved/allocated ratio divides by.
+    pub peak_live: u64,
+    /// The least physical memory any allocator can hold, from the first `variant_begin` on, while
+    /// keeping what captured graphs reference (separate and shared modes): at each step, every
+    /// capture pool's high-water mark of live bytes so far (a graph may replay and touch all of
+    /// it at any time) plus the bytes live outside capture pools; the maximum over the trace.
+    /// `None` in group mode, whose variants never run at once.
+    pub retention_floor: Option<u64>,
 }
 
 const H200_MEMORY: u64 = 143_771_000_832;
@@ -64,8 +73,25 @@ fn capture_pool(mode: VariantMode, variant: usize) -> PoolId {
     }
 }
 
-/// Replay `trace` with its captures pooled as `mode` says.
+/// Replay `trace` with its captures pooled as `mode` says, in vmm mode with the default
+/// configuration.
 pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport, String> {
+    replay_variants_with(
+        trace,
+        mode,
+        Config {
+            growth: GrowthMode::Vmm,
+            ..Config::default()
+        },
+    )
+}
+
+/// [`replay_variants`] with a given allocator configuration (`--conf`).
+pub fn replay_variants_with(
+    trace: &Trace,
+    mode: VariantMode,
+    config: Config,
+) -> Result<VariantReport, String> {
     let dev = Arc::new(
         SimDevice::new(SimConfig {
             total_memory: H200_MEMORY,
@@ -75,13 +101,7 @@ pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport
         })
         .map_err(|e| e.to_string())?,
     );
-    let alloc = Allocator::new(
-        dev.clone(),
-        Config {
-            growth: GrowthMode::Vmm,
-            ..Config::default()
-        },
-    );
+    let alloc = Allocator::new(dev.clone(), config);
     let free_action = if trace.count(Action::FreeCompleted) > 0 {
         Action::FreeCompleted
     } else {
@@ -89,7 +109,9 @@ pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport
     };
     let mut group: Option<VariantGroup> = None;
     let mut capture_route: Option<PoolId> = None;
-    let mut live: FxHashMap<u64, u64> = FxHashMap::default();
+    // Trace address -> (slotpool's pointer, size, capture pool or None).
+    let mut live: FxHashMap<u64, (u64, u64, Option<PoolId>)> = FxHashMap::default();
+    let mut floor = RetentionFloor::default();
     let (mut variant, mut variants, mut captures) = (0usize, 0usize, 0usize);
     let mut in_capture = false;
     let mut base: Option<u64> = None;
@@ -120,7 +142,7 @@ pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport
                     let gone: rustc_hash::FxHashSet<u64> =
                         delta.freed.iter().map(|f| f.0).collect();
                     let before = live.len();
-                    live.retain(|_, p| !gone.contains(p));
+                    live.retain(|_, (p, _, _)| !gone.contains(p));
                     freed_by_restore += (before - live.len()) as u64;
                 }
             }
@@ -160,25 +182,34 @@ pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport
                         .create_or_incref_pool(pool, PoolOptions::default())
                         .map_err(|e| e.to_string())?;
                 }
-                if let Some(old) = live.remove(&e.addr) {
+                if let Some((old, size, cap)) = live.remove(&e.addr) {
                     alloc
                         .free(old)
                         .map_err(|err| format!("{}: {err}", at(e.line)))?;
+                    floor.free(size, cap);
                 }
                 let p = alloc
                     .alloc_in(pool, e.size, e.stream)
                     .map_err(|err| format!("{}: {err}", at(e.line)))?;
-                live.insert(e.addr, p);
+                let cap = in_capture.then_some(pool);
+                live.insert(e.addr, (p, e.size, cap));
+                floor.alloc(e.size, cap);
             }
             a if a == free_action => match live.remove(&e.addr) {
-                Some(p) => alloc
-                    .free(p)
-                    .map_err(|err| format!("{}: {err}", at(e.line)))?,
+                Some((p, size, cap)) => {
+                    alloc
+                        .free(p)
+                        .map_err(|err| format!("{}: {err}", at(e.line)))?;
+                    floor.free(size, cap);
+                }
                 None => skipped += 1,
             },
             _ => continue,
         }
         peak = peak.max(dev.physical_bytes());
+        if base.is_some() {
+            floor.sample();
+        }
     }
     if let Some(mut g) = group
         && g.active().is_some()
@@ -197,5 +228,46 @@ pub fn replay_variants(trace: &Trace, mode: VariantMode) -> Result<VariantReport
         final_growth: dev.physical_bytes().saturating_sub(base),
         freed_by_restore,
         skipped_frees: skipped,
+        peak_live: floor.peak_live,
+        retention_floor: (mode != VariantMode::Group).then_some(floor.floor),
     })
+}
+
+/// Live bytes per capture pool and outside them, and the two peaks of [`VariantReport`].
+#[derive(Default)]
+struct RetentionFloor {
+    outside: u64,
+    /// Per capture pool: (live bytes, high-water mark).
+    pools: FxHashMap<PoolId, (u64, u64)>,
+    peak_live: u64,
+    floor: u64,
+}
+
+impl RetentionFloor {
+    fn alloc(&mut self, size: u64, pool: Option<PoolId>) {
+        match pool {
+            None => self.outside += size,
+            Some(p) => {
+                let (live, high) = self.pools.entry(p).or_default();
+                *live += size;
+                *high = (*high).max(*live);
+            }
+        }
+    }
+
+    fn free(&mut self, size: u64, pool: Option<PoolId>) {
+        match pool {
+            None => self.outside -= size,
+            Some(p) => self.pools.entry(p).or_default().0 -= size,
+        }
+    }
+
+    fn sample(&mut self) {
+        let (live, high) = self
+            .pools
+            .values()
+            .fold((0, 0), |(l, h), &(pl, ph)| (l + pl, h + ph));
+        self.peak_live = self.peak_live.max(self.outside + live);
+        self.floor = self.floor.max(self.outside + high);
+    }
 }
