@@ -40,7 +40,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         2 => (0..STREAMS.len()).prop_map(|stream| Op::Complete { stream }),
         1 => Just(Op::ProcessEvents),
         1 => Just(Op::EmptyCache),
-        1 => (0..3usize).prop_map(|kind| Op::InjectOom { kind }),
+        1 => (0..4usize).prop_map(|kind| Op::InjectOom { kind }),
         1 => (16u64..256).prop_map(|mib| Op::SetLimit { mib }),
     ]
 }
@@ -135,8 +135,10 @@ fn run_paged(growth: GrowthMode, page: Option<u64>, ops: &[Op]) {
                     CallKind::AllocSegment,
                     CallKind::CreatePage,
                     CallKind::Reserve,
+                    CallKind::Map,
                 ][kind];
-                dev.inject_oom(k, 1);
+                // A map fails on its second call: inside a run of pages when one maps several.
+                dev.inject_oom(k, if k == CallKind::Map { 2 } else { 1 });
             }
             Op::SetLimit { mib } => alloc.set_memory_limit(mib * MIB),
         }

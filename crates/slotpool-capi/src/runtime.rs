@@ -78,6 +78,9 @@ impl Device for SimDev {
     fn map(&self, ptr: DevicePtr, page: PageHandle) -> DeviceResult<()> {
         self.inner.map(ptr.wrapping_sub(self.offset), page)
     }
+    fn map_run(&self, ptr: DevicePtr, pages: &[PageHandle]) -> DeviceResult<()> {
+        self.inner.map_run(ptr.wrapping_sub(self.offset), pages)
+    }
     fn unmap(&self, ptr: DevicePtr) -> DeviceResult<()> {
         self.inner.unmap(ptr.wrapping_sub(self.offset))
     }

@@ -761,8 +761,18 @@ impl Shard {
                 }
             }
         }
-        for (i, (&p, &h)) in missing.iter().zip(&got).enumerate() {
-            if let Err(e) = env.dev.map(seg_addr + p as u64 * ps, h) {
+        // Runs of consecutive pages map with one call each (one access call on CUDA).
+        let mut i = 0;
+        while i < missing.len() {
+            let run = 1 + missing[i + 1..]
+                .iter()
+                .zip(&missing[i..])
+                .take_while(|&(&b, &a)| b == a + 1)
+                .count();
+            if let Err(e) = env
+                .dev
+                .map_run(seg_addr + missing[i] as u64 * ps, &got[i..i + run])
+            {
                 for &q in &missing[..i] {
                     let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
                         unreachable!()
@@ -783,24 +793,27 @@ impl Shard {
                 env.pool_budget.release(pool_bytes);
                 return Err(e.into());
             }
-            let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
-                unreachable!()
-            };
-            pt.handle[p] = Some(h);
-            pt.mapped_count += 1;
-            env.trace.record(
-                TraceAction::SegmentMap,
-                seg_addr + p as u64 * ps,
-                ps,
-                self.stream,
-            );
-            if pt.live[p] == 0 {
-                pt.set_idle(p, true);
-                pt.idle_epoch[p] = self.epoch;
+            for (&p, &h) in missing[i..i + run].iter().zip(&got[i..i + run]) {
+                let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
+                    unreachable!()
+                };
+                pt.handle[p] = Some(h);
+                pt.mapped_count += 1;
+                env.trace.record(
+                    TraceAction::SegmentMap,
+                    seg_addr + p as u64 * ps,
+                    ps,
+                    self.stream,
+                );
+                if pt.live[p] == 0 {
+                    pt.set_idle(p, true);
+                    pt.idle_epoch[p] = self.epoch;
+                }
+                self.stats
+                    .reserved_bytes
+                    .update(self.segments[seg].small, ps as i64);
             }
-            self.stats
-                .reserved_bytes
-                .update(self.segments[seg].small, ps as i64);
+            i += run;
         }
         self.stats.num_device_alloc += missing.len() as i64;
         Ok(())

@@ -560,25 +560,49 @@ impl Device for CudaDevice {
     /// `cuMemMap` then `cuMemSetAccess` (read/write for this device and every added peer). If
     /// setting the access fails the page is unmapped again, so that an error leaves nothing mapped.
     fn map(&self, ptr: DevicePtr, page: PageHandle) -> DeviceResult<()> {
+        self.map_run(ptr, &[page])
+    }
+
+    fn map_run(&self, ptr: DevicePtr, pages: &[PageHandle]) -> DeviceResult<()> {
         self.require_vmm("map")?;
+        if pages.is_empty() {
+            return Ok(());
+        }
         let bytes = to_usize(self.page_size, "map")?;
+        let total = bytes
+            .checked_mul(pages.len())
+            .ok_or_else(|| DeviceError::InvalidArgument("map: run too long".into()))?;
         let _ctx = self.enter()?;
         let _mode = relaxed()?;
-        // SAFETY: by the trait contract `ptr` is a page-aligned, unmapped address inside a
-        // reservation and `page` a live page of exactly `bytes`; offset and flags must be 0.
-        call("cuMemMap", || unsafe {
-            sys::cuMemMap(ptr, bytes, 0, page.0, 0)
-        })?;
+        let unmap_first = |n: usize| {
+            for j in 0..n {
+                // SAFETY: undoes a `cuMemMap` below that succeeded on exactly this page.
+                let _ = call("cuMemUnmap", || unsafe {
+                    sys::cuMemUnmap(ptr + (j * bytes) as u64, bytes)
+                });
+            }
+        };
+        for (i, page) in pages.iter().enumerate() {
+            // SAFETY: by the trait contract `ptr + i * bytes` is a page-aligned, unmapped address
+            // inside a reservation and `page` a live page of exactly `bytes`; offset and flags
+            // must be 0.
+            if let Err(err) = call("cuMemMap", || unsafe {
+                sys::cuMemMap(ptr + (i * bytes) as u64, bytes, 0, page.0, 0)
+            }) {
+                unmap_first(i);
+                return Err(err);
+            }
+        }
         let access = self.access.read().unwrap_or_else(PoisonError::into_inner);
         // SAFETY: `access` holds `access.len()` initialised descriptors and stays borrowed (and
-        // so alive and unchanged) for the duration of the call; `ptr..ptr+bytes` was just mapped.
+        // so alive and unchanged) for the duration of the call; `ptr..ptr+total` was just mapped,
+        // page by page, and one call may cover several mappings.
         let set = call("cuMemSetAccess", || unsafe {
-            sys::cuMemSetAccess(ptr, bytes, access.as_ptr(), access.len())
+            sys::cuMemSetAccess(ptr, total, access.as_ptr(), access.len())
         });
         drop(access);
         if let Err(err) = set {
-            // SAFETY: undoes the `cuMemMap` above, which succeeded on exactly this range.
-            let _ = call("cuMemUnmap", || unsafe { sys::cuMemUnmap(ptr, bytes) });
+            unmap_first(pages.len());
             return Err(err);
         }
         Ok(())

@@ -135,6 +135,41 @@ fn vmm_reserve_map_unmap_remap_release() {
 }
 
 #[test]
+fn a_run_maps_all_its_pages_or_none() {
+    let Some((_serial, dev)) = device() else {
+        return;
+    };
+    if !dev.vmm_supported() {
+        println!("skipped: no VMM support");
+        return;
+    }
+    let page = dev.page_size();
+    let bytes = page as usize;
+    let base = dev.reserve(6 * page).expect("reserve");
+    let p: Vec<_> = (0..5)
+        .map(|_| dev.create_page().expect("create_page"))
+        .collect();
+    // Three pages, one access call: all of them usable.
+    dev.map_run(base, &p[..3]).expect("map_run");
+    dev.make_current().expect("make_current");
+    memset(base, 0x33, 3 * bytes);
+    assert!(read(base, 3 * bytes).iter().all(|&b| b == 0x33));
+    // A run whose second page lands on a mapped page fails and leaves its first page unmapped.
+    dev.map(base + 4 * page, p[4]).expect("map p4");
+    assert!(dev.map_run(base + 3 * page, &p[3..5]).is_err());
+    dev.map(base + 3 * page, p[3])
+        .expect("the failed run left page 3 unmapped");
+    for i in 0..5 {
+        dev.unmap(base + i * page).expect("unmap");
+    }
+    for h in p {
+        dev.release_page(h).expect("release_page");
+    }
+    dev.release_reservation(base, 6 * page)
+        .expect("release_reservation");
+}
+
+#[test]
 fn larger_pages_are_multiples_of_the_granularity() {
     let Some((_serial, mut dev)) = device() else {
         return;

@@ -101,3 +101,18 @@ fn every_call_is_counted() {
     assert_eq!(d.contract_violations(), 4);
     assert_eq!(CallKind::SynchronizeEvent.name(), "synchronize_event");
 }
+
+#[test]
+fn a_run_that_fails_midway_leaves_nothing_mapped() {
+    let d = dev();
+    let r = d.reserve(8 * PS).unwrap();
+    let pages: Vec<PageHandle> = (0..4).map(|_| d.create_page().unwrap()).collect();
+    let base = d.calls(CallKind::Map);
+    d.inject_oom(CallKind::Map, 3);
+    assert_eq!(d.map_run(r, &pages), Err(DeviceError::OutOfMemory));
+    assert_eq!(d.mapped_bytes(), 0, "the two mapped pages were unmapped");
+    assert_eq!(d.calls(CallKind::Map) - base, 3);
+    d.map_run(r, &pages).unwrap();
+    assert_eq!(d.mapped_bytes(), 4 * PS);
+    assert_eq!(d.contract_violations(), 0);
+}
