@@ -9,7 +9,7 @@ use crate::runtime::{Runtime, each};
 
 fn state_name(s: BlockState) -> &'static str {
     match s {
-        BlockState::Free => "inactive",
+        BlockState::Free | BlockState::Cached => "inactive",
         BlockState::Allocated => "active_allocated",
         BlockState::PendingFree => "active_pending_free",
     }
@@ -26,7 +26,7 @@ fn segment_json(device: usize, seg: &SegmentSnapshot) -> Value {
             if b.state == BlockState::Allocated {
                 allocated += b.size;
             }
-            if b.state != BlockState::Free {
+            if matches!(b.state, BlockState::Allocated | BlockState::PendingFree) {
                 active += b.size;
                 requested += b.requested;
             }

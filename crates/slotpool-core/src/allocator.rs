@@ -45,6 +45,9 @@ pub(crate) struct PoolEntry {
     pub use_count: u64,
     pub options: PoolOptions,
     pub budget: Arc<Budget>,
+    /// Checkpoints of the pool taken so far (dead ones pruned at each new one): a shard born
+    /// while one is alive keeps no quick cache (`Shard::quick_off`).
+    pub checkpoints: Vec<Weak<crate::checkpoint::CheckpointToken>>,
 }
 
 static NEXT_ALLOCATOR_UID: AtomicU64 = AtomicU64::new(1);
@@ -124,6 +127,7 @@ impl<D: Device> Allocator<D> {
                 use_count: 1,
                 options: PoolOptions::default(),
                 budget: Arc::new(Budget::new(u64::MAX)),
+                checkpoints: Vec::new(),
             },
         );
         Allocator {
@@ -513,20 +517,17 @@ impl<D: Device> Allocator<D> {
         let pools = lock(&self.pools);
         let entry = pools.get(&pool).ok_or(AllocError::UnknownPool(pool))?;
         let mut shards = lock(&self.shards);
-        Ok(shards
-            .entry((pool, stream))
-            .or_insert_with(|| {
-                Arc::new(ShardCell {
-                    shard: Mutex::new(Shard::new(
-                        pool,
-                        stream,
-                        entry.options.no_split,
-                        &self.config.policy,
-                    )),
-                    pool_budget: entry.budget.clone(),
-                })
-            })
-            .clone())
+        if let Some(cell) = shards.get(&(pool, stream)) {
+            return Ok(cell.clone());
+        }
+        let mut shard = Shard::new(pool, stream, entry.options.no_split, &self.config.policy);
+        shard.quick_off = entry.checkpoints.iter().any(|c| c.strong_count() > 0);
+        let cell = Arc::new(ShardCell {
+            shard: Mutex::new(shard),
+            pool_budget: entry.budget.clone(),
+        });
+        shards.insert((pool, stream), cell.clone());
+        Ok(cell)
     }
 
     pub(crate) fn existing_shard(&self, pool: PoolId, stream: StreamId) -> Option<ShardRef> {
@@ -595,6 +596,7 @@ impl<D: Device> Allocator<D> {
             use_count: 0,
             options: options.clone(),
             budget: Arc::new(Budget::new(options.limit.unwrap_or(u64::MAX))),
+            checkpoints: Vec::new(),
         });
         e.use_count += 1;
         Ok(e.use_count)
@@ -625,6 +627,7 @@ impl<D: Device> Allocator<D> {
                 use_count: 1,
                 options: options.clone(),
                 budget: Arc::new(Budget::new(options.limit.unwrap_or(u64::MAX))),
+                checkpoints: Vec::new(),
             },
         );
         Ok(id)

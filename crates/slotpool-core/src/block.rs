@@ -17,6 +17,10 @@ pub enum BlockState {
     /// Freed by the user, but other streams used it: waits for their events (or for the capture
     /// to end) before it becomes `Free`.
     PendingFree,
+    /// Freed by the user and kept whole, unmerged, in its shard's quick cache for the next
+    /// request of exactly its size (see `Shard::quick`); merged back as `Free` before the shard
+    /// grows, releases memory or is checkpointed.
+    Cached,
 }
 
 /// A piece of a segment, free or allocated. Free neighbours are always merged.

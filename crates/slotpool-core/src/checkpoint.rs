@@ -348,7 +348,8 @@ pub(crate) struct Mark {
 }
 
 /// A pool's state at one moment: segments, how they are split, and which blocks are live.
-/// Dropping it ends the journaling it needs (lazily, on the next checkpoint call).
+/// Dropping it ends the journaling it needs: its shards forget its mark at once (each locked in
+/// turn, so it must not be dropped while one of its pool's shards is locked).
 #[derive(Debug)]
 pub struct Checkpoint {
     pub(crate) allocator: u64,
@@ -363,6 +364,18 @@ impl Checkpoint {
     /// The pool it belongs to.
     pub fn pool(&self) -> PoolId {
         self.pool
+    }
+}
+
+impl Drop for Checkpoint {
+    fn drop(&mut self) {
+        // Without this, a shard would journal every change (and keep its quick cache off) until
+        // its next checkpoint, restore or cache release noticed the mark was dead.
+        for (_, shard, _) in &self.marks {
+            if let Some(cell) = shard.upgrade() {
+                crate::sync::lock(&cell.shard).forget_mark(self.token.id);
+            }
+        }
     }
 }
 
@@ -649,6 +662,12 @@ impl Shard {
     }
 
     /// Forget marks whose checkpoints were dropped; with none left, stop journaling.
+    /// Drop the mark of checkpoint `token` (being dropped) and any other dead one.
+    pub(crate) fn forget_mark(&mut self, token: u64) {
+        self.marks.retain(|m| m.token != token);
+        self.prune_marks();
+    }
+
     pub(crate) fn prune_marks(&mut self) {
         self.marks.retain(|m| m.alive.strong_count() > 0);
         if let Some(oldest) = self.marks.iter().map(|m| m.pos).min() {
@@ -808,7 +827,8 @@ impl Shard {
             match t.state {
                 BlockState::Free => plan.index_churn += 1,
                 BlockState::Allocated => then.push((t.addr, t.size)),
-                BlockState::PendingFree => {}
+                // No block is cached while a checkpoint is alive (shard invariant 9).
+                BlockState::PendingFree | BlockState::Cached => {}
             }
             if t.state != BlockState::Free
                 && self.segments.get(t.segment).is_some_and(|s| s.is_vmm())
@@ -1020,7 +1040,8 @@ impl Shard {
         match b.state {
             BlockState::Free => self.unindex(id, b, w),
             BlockState::Allocated => w.live_out.push(b.addr),
-            BlockState::PendingFree => {}
+            // No block is cached while a checkpoint is alive (shard invariant 9).
+            BlockState::PendingFree | BlockState::Cached => {}
         }
         self.account(env, b, -1, w);
     }
@@ -1030,7 +1051,7 @@ impl Shard {
         match b.state {
             BlockState::Free => self.reindex(id, b, w),
             BlockState::Allocated => w.live_in.push((b.addr, id)),
-            BlockState::PendingFree => {}
+            BlockState::PendingFree | BlockState::Cached => {}
         }
         self.account(env, b, 1, w);
     }

@@ -66,6 +66,10 @@ pub struct Released {
 ///    only mapped pages are graph-retained; counts match the bitmaps.
 /// 7. Statistics equal a recount of the blocks and segments.
 /// 8. The live map holds exactly the `Allocated` blocks, each under its address.
+/// 9. The quick cache holds exactly the `Cached` blocks, each under its size, at most
+///    [`QUICK_MAX`] of them; they have no events or stream uses, count as live for their vmm
+///    pages (6) and as inactive for the statistics (7), and there are none while a checkpoint is
+///    alive.
 #[derive(Debug)]
 pub struct Shard {
     pub pool: PoolId,
@@ -94,8 +98,26 @@ pub struct Shard {
     /// Bytes counted in the device-wide allocated counter beyond this shard's allocated bytes:
     /// freed here and not yet handed back, at most [`PEAK_CREDIT_MAX`] (see `count_allocated`).
     pub(crate) peak_credit: i64,
+    /// Blocks freed on this stream and kept whole, most recent last: (size, block). A request of
+    /// exactly a cached size takes one back without touching the free index, the slab or the
+    /// vmm page counts, which is most of an alloc + free pair's cost. Anything that needs the
+    /// cache merged (growth, releasing memory, a checkpoint) calls [`Shard::flush_quick`] first.
+    pub(crate) quick: Vec<(u64, BlockId)>,
+    /// No quick cache in this shard: it was created while a checkpoint of its pool was alive,
+    /// so a restore may wipe it, and its plan knows only free and live blocks.
+    pub(crate) quick_off: bool,
+    /// Whether the quick cache pays here: a hit adds 2 (up to [`QUICK_CREDIT_MAX`]), a miss
+    /// takes 1, and frees are cached only while it is positive. Below zero, each free counts it
+    /// further down, and at `-QUICK_PROBE_EVERY` one free is cached again to probe. A workload
+    /// whose sizes rarely recur (1% of requests in the training traces) then pays nothing.
+    quick_credit: i32,
     pub stats: MemoryStats,
 }
+
+/// Most blocks one shard keeps in its quick cache.
+pub(crate) const QUICK_MAX: usize = 16;
+const QUICK_CREDIT_MAX: i32 = 16;
+const QUICK_PROBE_EVERY: i32 = 64;
 
 /// Freed bytes a shard may keep counted in the device-wide allocated counter, so that alloc/free
 /// loops of up to this size never touch that shared counter (one contended cache line costs
@@ -130,6 +152,9 @@ impl Shard {
             live: FxHashMap::default(),
             seg_log: Vec::new(),
             peak_credit: 0,
+            quick: Vec::new(),
+            quick_off: false,
+            quick_credit: QUICK_CREDIT_MAX,
             stats,
         }
     }
@@ -162,7 +187,7 @@ impl Shard {
     pub fn live_blocks(&self) -> usize {
         self.blocks
             .iter()
-            .filter(|(_, b)| b.state != BlockState::Free)
+            .filter(|(_, b)| matches!(b.state, BlockState::Allocated | BlockState::PendingFree))
             .count()
     }
 
@@ -191,7 +216,8 @@ impl Shard {
             .map(|id| self.blocks[id].size)
             .max()
             .unwrap_or(0);
-        a.max(b).max(t)
+        let q = self.quick.iter().map(|&(size, _)| size).max().unwrap_or(0);
+        a.max(b).max(t).max(q)
     }
 
     /// Whether free block `id` ends a vmm segment (and so lives in its `free_tail`).
@@ -288,9 +314,30 @@ impl Shard {
         if !env.capture_underway && (!self.pending.is_empty() || !self.deferred.is_empty()) {
             self.process_events(env);
         }
+        if !self.quick.is_empty() && !env.capture_underway {
+            if let Some(i) = self.quick.iter().rposition(|&(size, _)| size == rounded) {
+                let (_, id) = self.quick.swap_remove(i);
+                self.quick_credit = (self.quick_credit + 2).min(QUICK_CREDIT_MAX);
+                return Ok(self.take_cached(env, id, requested));
+            }
+            self.quick_credit -= 1;
+            // A miss merges the oldest cached block back: sizes that do not recur leave the
+            // cache, so that best fit sees their memory again.
+            let (_, id) = self.quick.remove(0);
+            self.uncache(env, id);
+        }
         let small = policy::is_small(rounded);
-        if let Some(id) = self.find_free(env, rounded, small) {
+        if let Some(id) = self.find_free(env, rounded, small)
+            && (self.quick.is_empty() || !self.needs_pages(env, id, rounded))
+        {
             return self.take_block(env, id, rounded, requested);
+        }
+        if !self.quick.is_empty() {
+            // Physical growth only once nothing cached could serve: merge the cache back first.
+            self.flush_quick(env);
+            if let Some(id) = self.find_free(env, rounded, small) {
+                return self.take_block(env, id, rounded, requested);
+            }
         }
         let id = self.grow(env, rounded, small)?;
         match self.take_block(env, id, rounded, requested) {
@@ -483,7 +530,23 @@ impl Shard {
             self.stats.oversize_allocations.update(-1);
         }
         if self.blocks[id].stream_uses.is_empty() {
-            self.free_block(env, id);
+            if self.quick_credit <= 0 {
+                self.quick_credit -= 1;
+                if self.quick_credit <= -QUICK_PROBE_EVERY {
+                    self.quick_credit = 1;
+                }
+            }
+            if self.quick_credit > 0
+                && self.quick.len() < QUICK_MAX
+                && policy::is_small(self.blocks[id].size)
+                && !self.quick_off
+                && !env.capture_underway
+                && !self.journaling()
+            {
+                self.cache_block(env, id);
+            } else {
+                self.free_block(env, id);
+            }
             return Ok(());
         }
         self.touch(id);
@@ -613,6 +676,16 @@ impl Shard {
         st.active.update(small, -1);
         st.active_bytes.update(small, -(size as i64));
         st.requested_bytes.update(small, -(requested as i64));
+        self.merge_free(env, id);
+    }
+
+    /// Return block `id`, already `Free` and out of every statistic of live memory, to its
+    /// pages' idle counts and the free index, merged with its free neighbours.
+    fn merge_free(&mut self, env: &Env<'_>, id: BlockId) {
+        let (addr, size, seg) = {
+            let b = &self.blocks[id];
+            (b.addr, b.size, b.segment)
+        };
         if self.segments[seg].is_vmm() {
             self.pages_live(env, seg, addr, size, -1);
         }
@@ -630,6 +703,99 @@ impl Shard {
             id = self.merge_into_prev(id, n);
         }
         self.index_insert(id);
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // The quick cache (invariant 9)
+
+    /// The user freed block `id` (no other stream used it): keep it whole in the quick cache.
+    fn cache_block(&mut self, env: &Env<'_>, id: BlockId) {
+        let (addr, size, requested, seg) = {
+            let b = &mut self.blocks[id];
+            b.state = BlockState::Cached;
+            let r = (b.addr, b.size, b.requested, b.segment);
+            b.requested = 0;
+            r
+        };
+        let small = self.segments[seg].small;
+        env.trace
+            .record(TraceAction::FreeCompleted, addr, requested, self.stream);
+        let inactive_split = self.is_inactive_split(id);
+        let st = &mut self.stats;
+        st.active.update(small, -1);
+        st.active_bytes.update(small, -(size as i64));
+        st.requested_bytes.update(small, -(requested as i64));
+        if inactive_split {
+            st.inactive_split.update(small, 1);
+            st.inactive_split_bytes.update(small, size as i64);
+        }
+        self.quick.push((size, id));
+    }
+
+    /// Hand out cached block `id` again, for `requested` bytes.
+    fn take_cached(&mut self, env: &Env<'_>, id: BlockId, requested: u64) -> (BlockId, DevicePtr) {
+        let (addr, size, seg) = {
+            let b = &mut self.blocks[id];
+            debug_assert_eq!(b.state, BlockState::Cached);
+            b.state = BlockState::Allocated;
+            b.requested = requested;
+            (b.addr, b.size, b.segment)
+        };
+        let (small, vmm) = (self.segments[seg].small, self.segments[seg].is_vmm());
+        let inactive_split = self.is_inactive_split(id);
+        env.trace
+            .record(TraceAction::Alloc, addr, requested, self.stream);
+        self.live.insert(addr, id);
+        self.count_allocated(env, size as i64);
+        let st = &mut self.stats;
+        if inactive_split {
+            st.inactive_split.update(small, -1);
+            st.inactive_split_bytes.update(small, -(size as i64));
+        }
+        st.allocation.update(small, 1);
+        st.allocated_bytes.update(small, size as i64);
+        st.active.update(small, 1);
+        st.active_bytes.update(small, size as i64);
+        st.requested_bytes.update(small, requested as i64);
+        if !vmm && env.policy.is_oversize(size) {
+            st.oversize_allocations.update(1);
+        }
+        (id, addr)
+    }
+
+    /// Merge every cached block back into the free index, as a plain free would have.
+    pub(crate) fn flush_quick(&mut self, env: &Env<'_>) {
+        for (_, id) in std::mem::take(&mut self.quick) {
+            self.uncache(env, id);
+        }
+    }
+
+    /// Merge cached block `id`, already out of the quick cache, back into the free index.
+    fn uncache(&mut self, env: &Env<'_>, id: BlockId) {
+        self.touch(id);
+        if self.is_inactive_split(id) {
+            let (small, size) = (
+                self.segments[self.blocks[id].segment].small,
+                self.blocks[id].size,
+            );
+            self.stats.inactive_split.update(small, -1);
+            self.stats
+                .inactive_split_bytes
+                .update(small, -(size as i64));
+        }
+        self.blocks[id].state = BlockState::Free;
+        self.merge_free(env, id);
+    }
+
+    /// Whether serving `rounded` bytes from free block `id` would map pages (physical growth).
+    fn needs_pages(&self, env: &Env<'_>, id: BlockId, rounded: u64) -> bool {
+        let b = &self.blocks[id];
+        let seg = &self.segments[b.segment];
+        let SegmentKind::Vmm(pt) = &seg.kind else {
+            return false;
+        };
+        let (first, end) = Self::page_range(env, seg.addr, b.addr, rounded);
+        (first..end).any(|p| pt.handle.get(p).is_none_or(|h| h.is_none()))
     }
 
     /// Merge block `b` into its predecessor `a`; returns `a`.
@@ -956,6 +1122,7 @@ impl Shard {
         if env.capture_underway {
             return out;
         }
+        self.flush_quick(env);
         self.prune_marks();
         if synchronize {
             self.synchronize_events(env);
@@ -1119,7 +1286,7 @@ impl Shard {
     pub fn live_or_pending(&self) -> usize {
         self.blocks
             .iter()
-            .filter(|(_, b)| b.state != BlockState::Free)
+            .filter(|(_, b)| matches!(b.state, BlockState::Allocated | BlockState::PendingFree))
             .count()
     }
 
@@ -1132,6 +1299,7 @@ impl Shard {
         let mut recount = MemoryStats::default();
         let mut free_seen = 0usize;
         let mut tails_seen = 0usize;
+        let mut cached_seen = 0usize;
         let mut ranges: Vec<(u64, u64)> = Vec::new();
         for (sid, seg) in self.segments.iter() {
             ranges.push((seg.addr, seg.addr + seg.size));
@@ -1209,6 +1377,37 @@ impl Shard {
                         if !seg.is_vmm() && (b.prev.is_some() || b.next.is_some()) {
                             recount.inactive_split.update(small, 1);
                             recount.inactive_split_bytes.update(small, b.size as i64);
+                        }
+                    }
+                    BlockState::Cached => {
+                        cached_seen += 1;
+                        if self
+                            .quick
+                            .iter()
+                            .filter(|&&(sz, q)| q == id && sz == b.size)
+                            .count()
+                            != 1
+                        {
+                            return Err(format!(
+                                "9: cached block {id} is not in the quick cache once under its size"
+                            ));
+                        }
+                        if b.pending_events != 0 || !b.stream_uses.is_empty() {
+                            return Err(format!("9: cached block {id} has events or stream uses"));
+                        }
+                        if !seg.is_vmm() && (b.prev.is_some() || b.next.is_some()) {
+                            recount.inactive_split.update(small, 1);
+                            recount.inactive_split_bytes.update(small, b.size as i64);
+                        }
+                        if let SegmentKind::Vmm(_) = seg.kind {
+                            let first = ((b.addr - seg.addr) / page_size) as usize;
+                            let end = (b.end() - seg.addr).div_ceil(page_size) as usize;
+                            if live_pages.len() < end {
+                                live_pages.resize(end, 0);
+                            }
+                            for lp in &mut live_pages[first..end] {
+                                *lp += 1;
+                            }
                         }
                     }
                     BlockState::Allocated | BlockState::PendingFree => {
@@ -1318,6 +1517,17 @@ impl Shard {
             return Err(format!(
                 "8: the live map has {} entries for {allocated} allocated blocks (wrong entry: {wrong})",
                 self.live.len()
+            ));
+        }
+        if cached_seen != self.quick.len() || self.quick.len() > QUICK_MAX {
+            return Err(format!(
+                "9: the quick cache has {} entries for {cached_seen} cached blocks",
+                self.quick.len()
+            ));
+        }
+        if cached_seen > 0 && self.journaling() {
+            return Err(format!(
+                "9: {cached_seen} cached blocks while a checkpoint is alive"
             ));
         }
         if seen != self.blocks.len() {

@@ -58,6 +58,10 @@ impl<D: Device> Allocator<D> {
         let token = Arc::new(CheckpointToken {
             id: NEXT_TOKEN.fetch_add(1, Ordering::Relaxed),
         });
+        if let Some(e) = lock(&self.pools).get_mut(&pool) {
+            e.checkpoints.retain(|c| c.strong_count() > 0);
+            e.checkpoints.push(Arc::downgrade(&token));
+        }
         let cells = self.pool_shards(pool);
         // Validate every shard first so that a refusal leaves no marks behind.
         for c in &cells {
@@ -74,6 +78,8 @@ impl<D: Device> Allocator<D> {
         let mut live = 0;
         for c in &cells {
             let mut s = lock(&c.shard);
+            // The checkpoint holds no cached blocks (shard invariant 9).
+            s.flush_quick(&self.env(&c.pool_budget));
             let pos = s.add_mark(&token).map_err(AllocError::InvalidState)?;
             live += s.stats.allocation.all.current as usize;
             marks.push((s.stream, Arc::downgrade(c), pos));
@@ -140,12 +146,17 @@ impl<D: Device> Allocator<D> {
         let cells = self.pool_shards_sorted(pool);
         let mut guards: Vec<MutexGuard<'_, Shard>> = cells.iter().map(|c| lock(&c.shard)).collect();
         let mut plans = Vec::with_capacity(cells.len());
-        for (cell, shard) in cells.iter().zip(&guards) {
+        for (cell, shard) in cells.iter().zip(guards.iter_mut()) {
             let mark = checkpoint
                 .marks
                 .iter()
                 .find(|(_, w, _)| w.upgrade().is_some_and(|c| Arc::ptr_eq(&c, cell)))
                 .map(|&(_, _, pos)| (pos, checkpoint.token.id));
+            if mark.is_none() {
+                // A shard born after the checkpoint keeps no quick cache (`Shard::quick_off`)
+                // unless it raced with the checkpoint; the plan needs its blocks free or live.
+                shard.flush_quick(&self.env(&cell.pool_budget));
+            }
             let keep: Vec<(DevicePtr, usize)> = keeps
                 .iter()
                 .filter(|(c, _, _)| Arc::ptr_eq(c, cell))
