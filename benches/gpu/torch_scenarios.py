@@ -15,7 +15,8 @@ one JSON line {"scenario": ..., "ok": ..., ...}; a failure is reported, never fa
              slotpool, plus slotpool's own API (named pools, checkpoint/restore, arenas, variants)
   parity     PARITY_WORKLOADS (trace_workloads.py; gpt2_train llama_train): same seed, losses
              under slotpool and native, step time (two runs each, interleaved; the median of the
-             steps after the first over both) and peak reserved; then the same workloads on
+             steps after the first over both; PARITY_STEPS overrides the workload's step
+             count) and peak reserved; then the same workloads on
              the math attention path, where losses must be bit-identical
              (PARITY_DETERMINISTIC=0 skips that part); PARITY_SLOTPOOL_CONFS="conf;conf" adds
              slotpool runs with other SLOTPOOL_CONF strings
@@ -526,6 +527,7 @@ def c_parity(alloc, arg):
     random.seed(0)
     torch.empty(1, device="cuda")
     step, n = build_workload(arg, "cuda")
+    n = int(os.environ.get("PARITY_STEPS", n))
     losses, times = [], []
     for _ in range(n):
         torch.cuda.synchronize()
