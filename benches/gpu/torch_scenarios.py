@@ -16,7 +16,7 @@ one JSON line {"scenario": ..., "ok": ..., ...}; a failure is reported, never fa
   parity     PARITY_WORKLOADS (trace_workloads.py; gpt2_train llama_train): same seed, losses
              under slotpool and native, step time (PARITY_RUNS runs each, default 2,
              interleaved; the median of the
-             steps after the first over both; PARITY_STEPS overrides the workload's step
+             steps after the first over all runs; PARITY_STEPS overrides the workload's step
              count) and peak reserved; then the same workloads on
              the math attention path, where losses must be bit-identical
              (PARITY_DETERMINISTIC=0 skips that part); PARITY_SLOTPOOL_CONFS="conf;conf" adds
