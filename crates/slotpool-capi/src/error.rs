@@ -8,6 +8,7 @@
 use std::cell::{Cell, RefCell};
 use std::ffi::{CString, c_char};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use slotpool_core::{AllocError, ConfigError, DeviceError, PoolId};
 
@@ -150,8 +151,13 @@ thread_local! {
     static HAS_ERROR: Cell<bool> = const { Cell::new(false) };
 }
 
+/// Whether any thread ever recorded an error: until one does, a successful call has nothing to
+/// clear and skips the thread-local lookup (`__tls_get_addr` in a shared library, on every call).
+static ANY_ERROR: AtomicBool = AtomicBool::new(false);
+
 /// Record `e` as this thread's last error.
 pub(crate) fn set_last_error(e: &Error) {
+    ANY_ERROR.store(true, Ordering::Relaxed);
     let text = e.to_string().replace('\0', "\\0");
     let msg = CString::new(text).unwrap_or_default();
     let _ = LAST_ERROR.try_with(|c| *c.borrow_mut() = Some(msg));
@@ -161,7 +167,7 @@ pub(crate) fn set_last_error(e: &Error) {
 /// Forget this thread's last error (a call succeeded).
 #[inline]
 fn clear_last_error() {
-    if HAS_ERROR.try_with(Cell::get).unwrap_or(false) {
+    if ANY_ERROR.load(Ordering::Relaxed) && HAS_ERROR.try_with(Cell::get).unwrap_or(false) {
         let _ = HAS_ERROR.try_with(|c| c.set(false));
         let _ = LAST_ERROR.try_with(|c| c.borrow_mut().take());
     }

@@ -420,7 +420,12 @@ impl Runtime {
         ptr: DevicePtr,
         f: impl Fn(&DevAlloc) -> AllocResult<T>,
     ) -> Result<(usize, T)> {
-        let hint = HINT.try_with(Cell::get).unwrap_or(0);
+        // One device (the common case): no thread-local hint to read.
+        let hint = if self.slots.len() == 1 {
+            0
+        } else {
+            HINT.try_with(Cell::get).unwrap_or(0)
+        };
         if let Some(d) = self.slots.get(hint).and_then(OnceLock::get) {
             match f(d) {
                 Ok(v) => return Ok((hint, v)),

@@ -32,7 +32,7 @@ const LARGE_REQUEST: u64 = 1 << 30;
 /// A shard and the budget of the pool it belongs to.
 #[derive(Debug)]
 pub(crate) struct ShardCell {
-    pub shard: Mutex<Shard>,
+    pub shard: crate::sync::ShardMutex<Shard>,
     pub pool_budget: Arc<Budget>,
 }
 
@@ -523,7 +523,7 @@ impl<D: Device> Allocator<D> {
         let mut shard = Shard::new(pool, stream, entry.options.no_split, &self.config.policy);
         shard.quick_off = entry.checkpoints.iter().any(|c| c.strong_count() > 0);
         let cell = Arc::new(ShardCell {
-            shard: Mutex::new(shard),
+            shard: crate::sync::ShardMutex::new(shard),
             pool_budget: entry.budget.clone(),
         });
         shards.insert((pool, stream), cell.clone());

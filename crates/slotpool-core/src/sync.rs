@@ -10,9 +10,48 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-/// Lock a mutex, ignoring poisoning: every state machine here is consistent between calls (a
-/// panic inside one is a bug the invariant checker reports), so a poisoned lock carries no
-/// information worth a second panic.
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+/// The lock of one shard: taken twice by every alloc + free pair, almost never contended (one
+/// shard per pool and stream). A spin lock that yields its time slice while it waits: unlocking
+/// is one release store, where `std::sync::Mutex` needs an atomic swap to learn whether to wake a
+/// waiter; the two read-modify-writes saved are about a tenth of a cached pair.
+pub type ShardMutex<T> = spin::mutex::SpinMutex<T, spin::relax::Yield>;
+/// A locked shard.
+pub type ShardGuard<'a, T> = spin::mutex::SpinMutexGuard<'a, T>;
+
+/// What [`lock`] locks.
+pub trait Lock {
+    type Guard<'a>
+    where
+        Self: 'a;
+    fn acquire(&self) -> Self::Guard<'_>;
+}
+
+impl<T> Lock for Mutex<T> {
+    type Guard<'a>
+        = MutexGuard<'a, T>
+    where
+        T: 'a;
+
+    /// Ignores poisoning: every state machine here is consistent between calls (a panic inside
+    /// one is a bug the invariant checker reports), so a poisoned lock carries no information
+    /// worth a second panic.
+    fn acquire(&self) -> MutexGuard<'_, T> {
+        self.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl<T> Lock for ShardMutex<T> {
+    type Guard<'a>
+        = ShardGuard<'a, T>
+    where
+        T: 'a;
+
+    fn acquire(&self) -> ShardGuard<'_, T> {
+        self.lock()
+    }
+}
+
+/// Lock `m` (a `std` mutex or a shard's spin lock).
+pub fn lock<L: Lock>(m: &L) -> L::Guard<'_> {
+    m.acquire()
 }

@@ -1,7 +1,7 @@
 //! Checkpoint / restore on the allocator, and variant groups built on them.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, MutexGuard};
 
 use crate::allocator::{Allocator, ShardRef};
 use crate::checkpoint::{Checkpoint, CheckpointToken, RestoreDelta, RestoreDiff};
@@ -144,7 +144,8 @@ impl<D: Device> Allocator<D> {
             }
         }
         let cells = self.pool_shards_sorted(pool);
-        let mut guards: Vec<MutexGuard<'_, Shard>> = cells.iter().map(|c| lock(&c.shard)).collect();
+        let mut guards: Vec<crate::sync::ShardGuard<'_, Shard>> =
+            cells.iter().map(|c| lock(&c.shard)).collect();
         let mut plans = Vec::with_capacity(cells.len());
         for (cell, shard) in cells.iter().zip(guards.iter_mut()) {
             let mark = checkpoint
