@@ -1374,10 +1374,6 @@ impl Shard {
                         if b.pending_events != 0 || !b.stream_uses.is_empty() {
                             return Err(format!("4: free block {id} has events or stream uses"));
                         }
-                        if !seg.is_vmm() && (b.prev.is_some() || b.next.is_some()) {
-                            recount.inactive_split.update(small, 1);
-                            recount.inactive_split_bytes.update(small, b.size as i64);
-                        }
                     }
                     BlockState::Cached => {
                         cached_seen += 1;
@@ -1394,20 +1390,6 @@ impl Shard {
                         }
                         if b.pending_events != 0 || !b.stream_uses.is_empty() {
                             return Err(format!("9: cached block {id} has events or stream uses"));
-                        }
-                        if !seg.is_vmm() && (b.prev.is_some() || b.next.is_some()) {
-                            recount.inactive_split.update(small, 1);
-                            recount.inactive_split_bytes.update(small, b.size as i64);
-                        }
-                        if let SegmentKind::Vmm(_) = seg.kind {
-                            let first = ((b.addr - seg.addr) / page_size) as usize;
-                            let end = (b.end() - seg.addr).div_ceil(page_size) as usize;
-                            if live_pages.len() < end {
-                                live_pages.resize(end, 0);
-                            }
-                            for lp in &mut live_pages[first..end] {
-                                *lp += 1;
-                            }
                         }
                     }
                     BlockState::Allocated | BlockState::PendingFree => {
@@ -1434,16 +1416,25 @@ impl Shard {
                         recount.active.update(small, 1);
                         recount.active_bytes.update(small, b.size as i64);
                         recount.requested_bytes.update(small, b.requested as i64);
-                        if let SegmentKind::Vmm(_) = seg.kind {
-                            let first = ((b.addr - seg.addr) / page_size) as usize;
-                            let end = (b.end() - seg.addr).div_ceil(page_size) as usize;
-                            if live_pages.len() < end {
-                                live_pages.resize(end, 0);
-                            }
-                            for lp in &mut live_pages[first..end] {
-                                *lp += 1;
-                            }
-                        }
+                    }
+                }
+                // Free and cached blocks of a split classic segment are inactive splits; every
+                // block but a free one keeps its vmm pages live.
+                if matches!(b.state, BlockState::Free | BlockState::Cached)
+                    && !seg.is_vmm()
+                    && (b.prev.is_some() || b.next.is_some())
+                {
+                    recount.inactive_split.update(small, 1);
+                    recount.inactive_split_bytes.update(small, b.size as i64);
+                }
+                if b.state != BlockState::Free && seg.is_vmm() {
+                    let first = ((b.addr - seg.addr) / page_size) as usize;
+                    let end = (b.end() - seg.addr).div_ceil(page_size) as usize;
+                    if live_pages.len() < end {
+                        live_pages.resize(end, 0);
+                    }
+                    for lp in &mut live_pages[first..end] {
+                        *lp += 1;
                     }
                 }
                 prev_free = is_free;
