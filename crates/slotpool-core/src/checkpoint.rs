@@ -550,8 +550,12 @@ fn radix_sort<T: Copy>(v: &mut Vec<T>, tmp: &mut Vec<T>, bits: u32, key: impl Fn
             counts[((p as usize) << digit) + ((k >> (p * digit)) & mask) as usize] += 1;
         }
     }
-    tmp.clear();
-    tmp.extend_from_slice(v);
+    // Every pass writes all of `tmp`: it only needs the length (kept from the last restore,
+    // a copy of `v` cost as much as a pass).
+    if tmp.len() < v.len() {
+        tmp.resize(v.len(), v[0]);
+    }
+    tmp.truncate(v.len());
     for (p, c) in counts.chunks_exact_mut(1 << digit).enumerate() {
         // A digit that is the same everywhere leaves the order as it is.
         if c.iter().any(|&n| n as usize == v.len()) {
