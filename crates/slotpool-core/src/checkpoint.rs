@@ -172,7 +172,7 @@ impl Journal {
         let e = match u {
             Undo::Modified(id, b) | Undo::Removed(id, b) => Entry::Image {
                 id,
-                img: self.add_image(b),
+                img: self.add_image(&b),
             },
             Undo::Inserted(id) => Entry::Inserted(id),
             Undo::SegmentAdded(seg) => Entry::SegmentAdded(seg),
@@ -185,7 +185,7 @@ impl Journal {
     }
 
     #[inline]
-    fn add_image(&mut self, b: Block) -> u32 {
+    fn add_image(&mut self, b: &Block) -> u32 {
         let img = u32::try_from(self.images.len()).expect("journal over u32 images");
         let uses = self.uses.len() as u32;
         self.uses.extend_from_slice(&b.stream_uses);
@@ -221,6 +221,34 @@ impl Journal {
             },
             pending_events: i.pending_events,
         }
+    }
+
+    /// Overwrite `slot` with image `img`, field by field: building a `Block` and moving it in
+    /// went through the stack and cost a store-forwarding stall per restored block.
+    #[inline]
+    fn restore_into(&self, img: u32, slot: &mut Block) {
+        let i = &self.images[img as usize];
+        let link = |id: BlockId| (id != NONE).then_some(id);
+        slot.addr = i.addr;
+        slot.size = i.size;
+        slot.requested = i.requested;
+        slot.segment = i.segment;
+        slot.prev = link(i.prev);
+        slot.next = link(i.next);
+        slot.state = i.state;
+        slot.pending_events = i.pending_events;
+        slot.stream_uses.clear();
+        if i.uses_len != 0 {
+            slot.stream_uses
+                .extend_from_slice(&self.uses[i.uses as usize..][..i.uses_len as usize]);
+        }
+    }
+
+    /// Record block `id`'s before-image from a reference (no clone of its stream uses).
+    #[inline]
+    fn push_modified(&mut self, id: BlockId, b: &Block) {
+        let img = self.add_image(b);
+        self.entries.push(Entry::Image { id, img });
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -919,14 +947,13 @@ impl Shard {
                 }
                 continue;
             };
-            let b = self.journal.block(img);
             if let Some(slot) = self.blocks.get_mut(id) {
-                let old = std::mem::replace(slot, b);
                 if keep_marks {
-                    self.journal.push(Undo::Modified(id, old));
+                    self.journal.push_modified(id, slot);
                 }
+                self.journal.restore_into(img, slot);
             } else {
-                self.blocks.put(id, b);
+                self.blocks.put(id, self.journal.block(img));
                 if keep_marks {
                     self.journal.push(Undo::Inserted(id));
                 }
