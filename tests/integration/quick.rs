@@ -193,3 +193,33 @@ fn the_cache_follows_whether_it_pays() {
     assert_eq!(cached_blocks(&alloc), 1, "a recurring size is cached again");
     alloc.free(keep).unwrap();
 }
+
+/// A checkpoint of a pool with no shard yet: the shard born after it caches nothing, so a
+/// refused restore leaves the state exactly as it was (the proptest case that found it: a
+/// restore with a foreign keep-live pointer merged that shard's cache before refusing).
+#[test]
+fn a_shard_born_after_a_checkpoint_of_its_empty_pool_caches_nothing() {
+    let pool = PoolId(0, 9);
+    let (_dev, alloc) = setup(GrowthMode::Classic, 1 << 30);
+    alloc
+        .create_or_incref_pool(pool, PoolOptions::default())
+        .unwrap();
+    let cp = alloc.checkpoint(pool).unwrap();
+    let a = alloc.alloc_in(pool, 8 * KIB, 0).unwrap();
+    let b = alloc.alloc_in(pool, 300 * KIB, 0).unwrap();
+    alloc.free(b).unwrap();
+    checked(&alloc);
+    assert_eq!(cached_blocks(&alloc), 0);
+    let foreign = alloc.alloc(4 * KIB, 0).unwrap(); // the default pool's
+    let before = alloc.state_dump();
+    assert!(alloc.restore(pool, &cp, &[foreign]).is_err());
+    assert_eq!(
+        alloc.state_dump(),
+        before,
+        "a refused restore changed the state"
+    );
+    let delta = alloc.restore(pool, &cp, &[]).unwrap();
+    assert_eq!(delta.freed.len(), 1, "{delta:?}");
+    assert_eq!(delta.freed[0].0, a);
+    checked(&alloc);
+}
