@@ -489,6 +489,19 @@ impl Shard {
             // The graph being captured will touch this range on every replay.
             self.retain_range(env, seg, addr, size);
         }
+        self.count_handed_out(env, small, vmm, size, requested);
+        Ok((id, addr))
+    }
+
+    /// Statistics of a block of `size` bytes (`requested` asked) handed to the user.
+    fn count_handed_out(
+        &mut self,
+        env: &Env<'_>,
+        small: bool,
+        vmm: bool,
+        size: u64,
+        requested: u64,
+    ) {
         self.count_allocated(env, size as i64);
         let st = &mut self.stats;
         st.allocation.update(small, 1);
@@ -499,7 +512,6 @@ impl Shard {
         if !vmm && env.policy.is_oversize(size) {
             st.oversize_allocations.update(1);
         }
-        Ok((id, addr))
     }
 
     // ----------------------------------------------------------------------------------------
@@ -746,20 +758,13 @@ impl Shard {
         env.trace
             .record(TraceAction::Alloc, addr, requested, self.stream);
         self.live.insert(addr, id);
-        self.count_allocated(env, size as i64);
-        let st = &mut self.stats;
         if inactive_split {
-            st.inactive_split.update(small, -1);
-            st.inactive_split_bytes.update(small, -(size as i64));
+            self.stats.inactive_split.update(small, -1);
+            self.stats
+                .inactive_split_bytes
+                .update(small, -(size as i64));
         }
-        st.allocation.update(small, 1);
-        st.allocated_bytes.update(small, size as i64);
-        st.active.update(small, 1);
-        st.active_bytes.update(small, size as i64);
-        st.requested_bytes.update(small, requested as i64);
-        if !vmm && env.policy.is_oversize(size) {
-            st.oversize_allocations.update(1);
-        }
+        self.count_handed_out(env, small, vmm, size, requested);
         (id, addr)
     }
 
