@@ -16,7 +16,7 @@ use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::sync::{Arc, Weak};
 
-use crate::block::{Block, BlockId, BlockState, SegmentId, SegmentKind};
+use crate::block::{Block, BlockId, BlockState, SegmentId, SegmentKind, StreamUses};
 use crate::device::{DevicePtr, StreamId};
 use crate::env::Env;
 use crate::pool::PoolId;
@@ -188,14 +188,14 @@ impl Journal {
     fn add_image(&mut self, b: &Block) -> u32 {
         let img = u32::try_from(self.images.len()).expect("journal over u32 images");
         let uses = self.uses.len() as u32;
-        self.uses.extend_from_slice(&b.stream_uses);
+        self.uses.extend_from_slice(b.stream_uses.as_slice());
         self.images.push(Image {
             addr: b.addr,
             size: b.size,
             requested: b.requested,
             segment: b.segment,
-            prev: b.prev.unwrap_or(NONE),
-            next: b.next.unwrap_or(NONE),
+            prev: b.prev().unwrap_or(NONE),
+            next: b.next().unwrap_or(NONE),
             uses,
             uses_len: b.stream_uses.len() as u32,
             pending_events: b.pending_events,
@@ -207,20 +207,15 @@ impl Journal {
     fn block(&self, img: u32) -> Block {
         let i = &self.images[img as usize];
         let link = |id: BlockId| (id != NONE).then_some(id);
-        Block {
-            addr: i.addr,
-            size: i.size,
-            requested: i.requested,
-            segment: i.segment,
-            prev: link(i.prev),
-            next: link(i.next),
-            state: i.state,
-            stream_uses: match i.uses_len {
-                0 => Vec::new(),
-                n => self.uses[i.uses as usize..][..n as usize].to_vec(),
-            },
-            pending_events: i.pending_events,
+        let mut b = Block::free(i.addr, i.size, i.segment, link(i.prev), link(i.next));
+        b.requested = i.requested;
+        b.state = i.state;
+        b.pending_events = i.pending_events;
+        if i.uses_len != 0 {
+            b.stream_uses =
+                StreamUses::from_slice(&self.uses[i.uses as usize..][..i.uses_len as usize]);
         }
+        b
     }
 
     /// Overwrite `slot` with image `img`, field by field: building a `Block` and moving it in
@@ -233,15 +228,15 @@ impl Journal {
         slot.size = i.size;
         slot.requested = i.requested;
         slot.segment = i.segment;
-        slot.prev = link(i.prev);
-        slot.next = link(i.next);
+        slot.set_prev(link(i.prev));
+        slot.set_next(link(i.next));
         slot.state = i.state;
         slot.pending_events = i.pending_events;
-        slot.stream_uses.clear();
-        if i.uses_len != 0 {
-            slot.stream_uses
-                .extend_from_slice(&self.uses[i.uses as usize..][..i.uses_len as usize]);
-        }
+        slot.stream_uses = if i.uses_len == 0 {
+            StreamUses::default()
+        } else {
+            StreamUses::from_slice(&self.uses[i.uses as usize..][..i.uses_len as usize])
+        };
     }
 
     /// Record block `id`'s before-image from a reference (no clone of its stream uses).

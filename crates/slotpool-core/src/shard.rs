@@ -7,7 +7,9 @@ use rustc_hash::FxHashMap;
 
 use crate::id_slab::IdSlab;
 
-use crate::block::{Block, BlockId, BlockState, PageTable, Segment, SegmentId, SegmentKind};
+use crate::block::{
+    Block, BlockId, BlockState, PageTable, Segment, SegmentId, SegmentKind, StreamUses,
+};
 use crate::checkpoint::{Journal, Mark, Undo};
 use crate::config::GrowthMode;
 use crate::device::{DeviceError, DevicePtr, EventHandle, PageHandle, StreamId};
@@ -173,7 +175,7 @@ impl Shard {
         std::iter::from_fn(move || {
             let id = next?;
             let b = &self.blocks[id];
-            next = b.next;
+            next = b.next();
             Some((id, b))
         })
     }
@@ -259,7 +261,7 @@ impl Shard {
 
     pub(crate) fn is_inactive_split(&self, id: BlockId) -> bool {
         let b = &self.blocks[id];
-        !self.segments[b.segment].is_vmm() && (b.prev.is_some() || b.next.is_some())
+        !self.segments[b.segment].is_vmm() && (b.prev().is_some() || b.next().is_some())
     }
 
     pub(crate) fn index_insert(&mut self, id: BlockId) {
@@ -455,10 +457,10 @@ impl Shard {
         }
         self.touch(id);
         if (vmm || !self.no_split) && env.policy.should_split(size, rounded, small, vmm) {
-            if let Some(n) = self.blocks[id].next {
+            if let Some(n) = self.blocks[id].next() {
                 self.touch(n);
             }
-            let next = self.blocks[id].next;
+            let next = self.blocks[id].next();
             let rest = self.blocks.insert(Block::free(
                 addr + rounded,
                 size - rounded,
@@ -467,11 +469,11 @@ impl Shard {
                 next,
             ));
             self.note(Undo::Inserted(rest));
-            if let Some(n) = self.blocks[id].next {
-                self.blocks[n].prev = Some(rest);
+            if let Some(n) = self.blocks[id].next() {
+                self.blocks[n].set_prev(Some(rest));
             }
             let b = &mut self.blocks[id];
-            b.next = Some(rest);
+            b.set_next(Some(rest));
             b.size = rounded;
             self.index_insert(rest);
         }
@@ -591,7 +593,7 @@ impl Shard {
     /// an event cannot be had, fall back to deferring (retried later) rather than reuse early.
     fn insert_events(&mut self, env: &Env<'_>, id: BlockId) {
         self.touch(id);
-        let uses = std::mem::take(&mut self.blocks[id].stream_uses);
+        let uses = self.blocks[id].stream_uses.take();
         let mut recorded = 0;
         let mut failed = Vec::new();
         for &s in &uses {
@@ -613,7 +615,7 @@ impl Shard {
         let b = &mut self.blocks[id];
         b.pending_events += recorded;
         if !failed.is_empty() {
-            b.stream_uses = failed;
+            b.stream_uses = StreamUses::from_slice(&failed);
             self.deferred.push(id);
         }
     }
@@ -702,13 +704,13 @@ impl Shard {
             self.pages_live(env, seg, addr, size, -1);
         }
         let mut id = id;
-        if let Some(p) = self.blocks[id].prev
+        if let Some(p) = self.blocks[id].prev()
             && self.blocks[p].state == BlockState::Free
         {
             self.index_remove(p);
             id = self.merge_into_prev(p, id);
         }
-        if let Some(n) = self.blocks[id].next
+        if let Some(n) = self.blocks[id].next()
             && self.blocks[n].state == BlockState::Free
         {
             self.index_remove(n);
@@ -806,16 +808,16 @@ impl Shard {
     /// Merge block `b` into its predecessor `a`; returns `a`.
     fn merge_into_prev(&mut self, a: BlockId, b: BlockId) -> BlockId {
         self.touch(a);
-        if let Some(n) = self.blocks[b].next {
+        if let Some(n) = self.blocks[b].next() {
             self.touch(n);
         }
         let gone = self.blocks.remove(b);
         self.note(Undo::Removed(b, gone.clone()));
         let blk = &mut self.blocks[a];
         blk.size += gone.size;
-        blk.next = gone.next;
-        if let Some(n) = gone.next {
-            self.blocks[n].prev = Some(a);
+        blk.set_next(gone.next());
+        if let Some(n) = gone.next() {
+            self.blocks[n].set_prev(Some(a));
         }
         a
     }
@@ -1250,7 +1252,7 @@ impl Shard {
         }
         let s = self.segments.get(seg)?;
         let b = &self.blocks[s.first];
-        if b.state != BlockState::Free || b.next.is_some() {
+        if b.state != BlockState::Free || b.next().is_some() {
             return None;
         }
         if let SegmentKind::Vmm(pt) = &s.kind
@@ -1336,10 +1338,11 @@ impl Shard {
                         b.addr, expect_addr
                     ));
                 }
-                if b.prev != prev {
+                if b.prev() != prev {
                     return Err(format!(
                         "1: block {id} prev link {:?} != {:?}",
-                        b.prev, prev
+                        b.prev(),
+                        prev
                     ));
                 }
                 if b.size == 0 {
@@ -1427,7 +1430,7 @@ impl Shard {
                 // block but a free one keeps its vmm pages live.
                 if matches!(b.state, BlockState::Free | BlockState::Cached)
                     && !seg.is_vmm()
-                    && (b.prev.is_some() || b.next.is_some())
+                    && (b.prev().is_some() || b.next().is_some())
                 {
                     recount.inactive_split.update(small, 1);
                     recount.inactive_split_bytes.update(small, b.size as i64);
@@ -1445,7 +1448,7 @@ impl Shard {
                 prev_free = is_free;
                 expect_addr = b.end();
                 prev = Some(id);
-                next = b.next;
+                next = b.next();
             }
             if expect_addr != seg.addr + seg.size {
                 return Err(format!(
