@@ -1288,15 +1288,6 @@ impl Shard {
         Some(if vmm { 0 } else { size })
     }
 
-    /// Release everything on pool destruction: returns the number of blocks still live (which
-    /// are then kept).
-    pub fn live_or_pending(&self) -> usize {
-        self.blocks
-            .iter()
-            .filter(|(_, b)| matches!(b.state, BlockState::Allocated | BlockState::PendingFree))
-            .count()
-    }
-
     // ----------------------------------------------------------------------------------------
     // Invariants
 
