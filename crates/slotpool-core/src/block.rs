@@ -186,6 +186,12 @@ pub struct PageTable {
 }
 
 impl PageTable {
+    /// Whether page `p` has a physical page mapped.
+    #[inline]
+    pub fn is_mapped(&self, p: usize) -> bool {
+        self.handle.get(p).is_some_and(|h| h.is_some())
+    }
+
     /// Make sure the per-page arrays cover page `p`.
     #[inline]
     pub fn cover(&mut self, p: usize) {

@@ -802,7 +802,7 @@ impl Shard {
             return false;
         };
         let (first, end) = Self::page_range(env, seg.addr, b.addr, rounded);
-        (first..end).any(|p| pt.handle.get(p).is_none_or(|h| h.is_none()))
+        (first..end).any(|p| !pt.is_mapped(p))
     }
 
     /// Merge block `b` into its predecessor `a`; returns `a`.
@@ -883,9 +883,7 @@ impl Shard {
             let SegmentKind::Vmm(pt) = &self.segments[seg].kind else {
                 return Ok(());
             };
-            (first..end)
-                .filter(|&p| pt.handle.get(p).is_none_or(|h| h.is_none()))
-                .collect()
+            (first..end).filter(|&p| !pt.is_mapped(p)).collect()
         };
         if missing.is_empty() {
             return Ok(());
@@ -1459,7 +1457,7 @@ impl Shard {
                             "6: segment {sid} page {p} live {have}, recount {want}"
                         ));
                     }
-                    let is_mapped = pt.handle.get(p).is_some_and(|h| h.is_some());
+                    let is_mapped = pt.is_mapped(p);
                     if want > 0 && !is_mapped {
                         return Err(format!("6: segment {sid} page {p} is live but not mapped"));
                     }
