@@ -1177,7 +1177,7 @@ impl<D: Device> Allocator<D> {
                         let mut start: Option<usize> = None;
                         let pages = seg.size.div_ceil(ps) as usize;
                         for p in 0..=pages {
-                            let mapped = p < pages && pt.handle.get(p).is_some_and(Option::is_some);
+                            let mapped = p < pages && pt.is_mapped(p);
                             match (mapped, start) {
                                 (true, None) => start = Some(p),
                                 (false, Some(a)) => {
