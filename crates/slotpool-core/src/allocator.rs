@@ -288,6 +288,7 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Allocate in one shard, registering any segment it added.
+    #[inline(always)]
     fn alloc_on(&self, cell: &ShardRef, rounded: u64, size: u64) -> Result<DevicePtr, ShardError> {
         let env = self.env(&cell.pool_budget);
         let mut s = lock(&cell.shard);
@@ -306,10 +307,15 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Bring the segment registry up to date with a shard's changes (called under its lock).
+    #[inline]
     fn register_segments(&self, cell: &ShardRef, s: &mut Shard) {
-        if s.seg_log.is_empty() {
-            return;
+        if !s.seg_log.is_empty() {
+            self.register_segments_now(cell, s);
         }
+    }
+
+    #[cold]
+    fn register_segments_now(&self, cell: &ShardRef, s: &mut Shard) {
         let mut reg = self.segments.write().unwrap_or_else(|e| e.into_inner());
         for (addr, size, added) in s.seg_log.drain(..) {
             if added {
@@ -340,6 +346,15 @@ impl<D: Device> Allocator<D> {
         if fast.is_some() {
             return fast;
         }
+        self.with_registered_owner(ptr, f)
+    }
+
+    /// [`Allocator::with_owner`] through the segment registry alone.
+    fn with_registered_owner<R>(
+        &self,
+        ptr: DevicePtr,
+        mut f: impl FnMut(&ShardRef, &mut Shard) -> R,
+    ) -> Option<R> {
         let cell = {
             let reg = self.segments.read().unwrap_or_else(|e| e.into_inner());
             let (_, (end, owner)) = reg.range(..=ptr).next_back()?;
@@ -425,7 +440,23 @@ impl<D: Device> Allocator<D> {
     /// Free a pointer returned by [`Allocator::alloc`]. Unknown pointers and double frees are
     /// rejected and change nothing.
     pub fn free(&self, ptr: DevicePtr) -> AllocResult<()> {
-        self.with_owner(ptr, |cell, s| s.free(&self.env(&cell.pool_budget), ptr))
+        // The thread's cached shard first, asked once: its free looks the pointer up itself.
+        let fast = LAST_SHARD
+            .try_with(|c| {
+                let c = c.borrow();
+                let e = c.as_ref().filter(|e| e.allocator == self.uid)?;
+                let env = self.env(&e.shard.pool_budget);
+                match lock(&e.shard.shard).free(&env, ptr) {
+                    Err(ShardError::UnknownPointer) => None,
+                    r => Some(r),
+                }
+            })
+            .ok()
+            .flatten();
+        if let Some(r) = fast {
+            return r.map_err(shard_error);
+        }
+        self.with_registered_owner(ptr, |cell, s| s.free(&self.env(&cell.pool_budget), ptr))
             .ok_or(AllocError::UnknownPointer(ptr))?
             .map_err(shard_error)
     }
@@ -439,11 +470,9 @@ impl<D: Device> Allocator<D> {
     pub fn mark_reusable(&self, ptr: DevicePtr) -> AllocResult<u64> {
         self.with_owner(ptr, |cell, s| {
             let env = self.env(&cell.pool_budget);
-            let id = s
-                .lookup(ptr)
-                .ok_or(ShardError::BadBlock("unknown pointer"))?;
+            let id = s.lookup(ptr).ok_or(ShardError::UnknownPointer)?;
             let (seg, size) = {
-                let b = s.block(id).ok_or(ShardError::BadBlock("unknown pointer"))?;
+                let b = s.block(id).ok_or(ShardError::UnknownPointer)?;
                 (b.segment, b.size)
             };
             s.retain_range(&env, seg, ptr, size);
@@ -1225,8 +1254,10 @@ impl<D: Device> Allocator<D> {
 pub(crate) fn shard_error(e: ShardError) -> AllocError {
     match e {
         ShardError::OutOfMemory => AllocError::OutOfMemory(Box::default()),
-        ShardError::Device(d) => AllocError::Device(d),
-        ShardError::BadBlock(why) => AllocError::InvalidState(why.into()),
+        ShardError::Device(d) => AllocError::Device(*d),
+        ShardError::UnknownPointer => AllocError::InvalidState("unknown pointer".into()),
+        ShardError::NotVmm => AllocError::InvalidState("not a vmm segment".into()),
+        ShardError::PageNotMapped => AllocError::InvalidState("page not mapped".into()),
     }
 }
 

@@ -28,17 +28,22 @@ type FreeKey = (u64, DevicePtr, BlockId);
 pub enum ShardError {
     /// No cached block fits and the backend (or the byte limit) refused growth.
     OutOfMemory,
-    /// The backend failed for another reason.
-    Device(DeviceError),
-    /// The block is not in the state the call needs (double free, unknown block).
-    BadBlock(&'static str),
+    /// The backend failed for another reason (boxed: the error type stays two words, so that
+    /// the hot paths return their results in registers).
+    Device(Box<DeviceError>),
+    /// No allocated block of this shard starts at the pointer (it may be another shard's).
+    UnknownPointer,
+    /// A page operation named a classic segment.
+    NotVmm,
+    /// A page operation named a page that is not mapped.
+    PageNotMapped,
 }
 
 impl From<DeviceError> for ShardError {
     fn from(e: DeviceError) -> Self {
         match e {
             DeviceError::OutOfMemory => ShardError::OutOfMemory,
-            other => ShardError::Device(other),
+            other => ShardError::Device(Box::new(other)),
         }
     }
 }
@@ -67,7 +72,8 @@ pub struct Released {
 ///    non-free block overlaps is mapped; a page is idle exactly when mapped with `live == 0`;
 ///    only mapped pages are graph-retained; counts match the bitmaps.
 /// 7. Statistics equal a recount of the blocks and segments.
-/// 8. The live map holds exactly the `Allocated` blocks, each under its address.
+/// 8. The live map holds exactly the `Allocated` and `Cached` blocks, each under its address (a
+///    cached block stays there, so that the quick cache's round trip costs no hashing).
 /// 9. The quick cache holds exactly the `Cached` blocks, each under its size, at most
 ///    [`QUICK_MAX`] of them; they have no events or stream uses, count as live for their vmm
 ///    pages (6) and as inactive for the statistics (7), and there are none while a checkpoint is
@@ -196,7 +202,8 @@ impl Shard {
     /// The allocated block that starts at `ptr`.
     #[inline]
     pub fn lookup(&self, ptr: DevicePtr) -> Option<BlockId> {
-        self.live.get(&ptr).copied()
+        let id = *self.live.get(&ptr)?;
+        (self.blocks[id].state == BlockState::Allocated).then_some(id)
     }
 
     /// Frees waiting on cross-stream events or on the end of a capture.
@@ -270,8 +277,8 @@ impl Shard {
             (b.size, b.addr, self.segments[b.segment].small)
         };
         if self.is_inactive_split(id) {
-            self.stats.inactive_split.update(small, 1);
-            self.stats.inactive_split_bytes.update(small, size as i64);
+            self.stats.inactive_split.inc(small, 1);
+            self.stats.inactive_split_bytes.inc(small, size as i64);
         }
         if self.is_vmm_tail(id) {
             let seg = self.blocks[id].segment;
@@ -288,10 +295,8 @@ impl Shard {
             (b.size, b.addr, self.segments[b.segment].small)
         };
         if self.is_inactive_split(id) {
-            self.stats.inactive_split.update(small, -1);
-            self.stats
-                .inactive_split_bytes
-                .update(small, -(size as i64));
+            self.stats.inactive_split.dec(small, 1);
+            self.stats.inactive_split_bytes.dec(small, size as i64);
         }
         let seg = self.blocks[id].segment;
         if self.segments[seg].free_tail == Some(id) {
@@ -307,7 +312,29 @@ impl Shard {
 
     /// Serve `rounded` bytes (`requested` asked) from the cache or by growing. On error nothing
     /// changed.
+    #[inline]
     pub fn alloc(
+        &mut self,
+        env: &Env<'_>,
+        rounded: u64,
+        requested: u64,
+    ) -> Result<(BlockId, DevicePtr), ShardError> {
+        // The quick cache's hit, inlined into the caller: the hot path returns in registers.
+        if !env.capture_underway
+            && self.pending.is_empty()
+            && self.deferred.is_empty()
+            && let Some(i) = self.quick.iter().rposition(|&(size, _)| size == rounded)
+        {
+            let (_, id) = self.quick.swap_remove(i);
+            self.quick_credit = (self.quick_credit + 2).min(QUICK_CREDIT_MAX);
+            return Ok(self.take_cached(env, id, requested));
+        }
+        self.alloc_uncached(env, rounded, requested)
+    }
+
+    /// [`Shard::alloc`] past a quick-cache hit.
+    #[inline(never)]
+    fn alloc_uncached(
         &mut self,
         env: &Env<'_>,
         rounded: u64,
@@ -401,7 +428,7 @@ impl Shard {
                     env.budget.release(size);
                     env.pool_budget.release(size);
                 })?;
-                self.stats.reserved_bytes.update(small, size as i64);
+                self.stats.reserved_bytes.inc(small, size as i64);
                 self.stats.num_device_alloc += 1;
                 env.trace
                     .record(TraceAction::SegmentAlloc, addr, size, self.stream);
@@ -417,7 +444,7 @@ impl Shard {
                 (addr, size, SegmentKind::Vmm(PageTable::default()))
             }
         };
-        self.stats.segment.update(small, 1);
+        self.stats.segment.inc(small, 1);
         let seg = self.segments.insert(Segment {
             addr,
             size,
@@ -506,11 +533,11 @@ impl Shard {
     ) {
         self.count_allocated(env, size as i64);
         let st = &mut self.stats;
-        st.allocation.update(small, 1);
-        st.allocated_bytes.update(small, size as i64);
-        st.active.update(small, 1);
-        st.active_bytes.update(small, size as i64);
-        st.requested_bytes.update(small, requested as i64);
+        st.allocation.inc(small, 1);
+        st.allocated_bytes.inc(small, size as i64);
+        st.active.inc(small, 1);
+        st.active_bytes.inc(small, size as i64);
+        st.requested_bytes.inc(small, requested as i64);
         if !vmm && env.policy.is_oversize(size) {
             st.oversize_allocations.update(1);
         }
@@ -521,10 +548,7 @@ impl Shard {
 
     /// The user frees block `id`. It becomes free at once unless other streams used it.
     pub fn free(&mut self, env: &Env<'_>, ptr: DevicePtr) -> Result<(), ShardError> {
-        let id = self
-            .live
-            .remove(&ptr)
-            .ok_or(ShardError::BadBlock("unknown pointer"))?;
+        let id = self.lookup(ptr).ok_or(ShardError::UnknownPointer)?;
         let b = &self.blocks[id];
         let (size, small, oversize) = {
             let seg = &self.segments[b.segment];
@@ -534,8 +558,8 @@ impl Shard {
                 !seg.is_vmm() && env.policy.is_oversize(b.size),
             )
         };
-        self.stats.allocation.update(small, -1);
-        self.stats.allocated_bytes.update(small, -(size as i64));
+        self.stats.allocation.dec(small, 1);
+        self.stats.allocated_bytes.dec(small, size as i64);
         self.count_allocated(env, -(size as i64));
         let b = &self.blocks[id];
         env.trace
@@ -559,10 +583,12 @@ impl Shard {
             {
                 self.cache_block(env, id);
             } else {
+                self.live.remove(&ptr);
                 self.free_block(env, id);
             }
             return Ok(());
         }
+        self.live.remove(&ptr);
         self.touch(id);
         self.blocks[id].state = BlockState::PendingFree;
         if env.capture_underway {
@@ -575,9 +601,7 @@ impl Shard {
 
     /// Note that `stream` uses block `id` (`record_stream`); the own stream is ignored.
     pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), ShardError> {
-        let id = self
-            .lookup(ptr)
-            .ok_or(ShardError::BadBlock("unknown pointer"))?;
+        let id = self.lookup(ptr).ok_or(ShardError::UnknownPointer)?;
         if stream == self.stream {
             return Ok(());
         }
@@ -687,9 +711,9 @@ impl Shard {
         env.trace
             .record(TraceAction::FreeCompleted, addr, requested, self.stream);
         let st = &mut self.stats;
-        st.active.update(small, -1);
-        st.active_bytes.update(small, -(size as i64));
-        st.requested_bytes.update(small, -(requested as i64));
+        st.active.dec(small, 1);
+        st.active_bytes.dec(small, size as i64);
+        st.requested_bytes.dec(small, requested as i64);
         self.merge_free(env, id);
     }
 
@@ -736,12 +760,12 @@ impl Shard {
             .record(TraceAction::FreeCompleted, addr, requested, self.stream);
         let inactive_split = self.is_inactive_split(id);
         let st = &mut self.stats;
-        st.active.update(small, -1);
-        st.active_bytes.update(small, -(size as i64));
-        st.requested_bytes.update(small, -(requested as i64));
+        st.active.dec(small, 1);
+        st.active_bytes.dec(small, size as i64);
+        st.requested_bytes.dec(small, requested as i64);
         if inactive_split {
-            st.inactive_split.update(small, 1);
-            st.inactive_split_bytes.update(small, size as i64);
+            st.inactive_split.inc(small, 1);
+            st.inactive_split_bytes.inc(small, size as i64);
         }
         self.quick.push((size, id));
     }
@@ -759,12 +783,9 @@ impl Shard {
         let inactive_split = self.is_inactive_split(id);
         env.trace
             .record(TraceAction::Alloc, addr, requested, self.stream);
-        self.live.insert(addr, id);
         if inactive_split {
-            self.stats.inactive_split.update(small, -1);
-            self.stats
-                .inactive_split_bytes
-                .update(small, -(size as i64));
+            self.stats.inactive_split.dec(small, 1);
+            self.stats.inactive_split_bytes.dec(small, size as i64);
         }
         self.count_handed_out(env, small, vmm, size, requested);
         (id, addr)
@@ -779,16 +800,15 @@ impl Shard {
 
     /// Merge cached block `id`, already out of the quick cache, back into the free index.
     fn uncache(&mut self, env: &Env<'_>, id: BlockId) {
+        self.live.remove(&self.blocks[id].addr);
         self.touch(id);
         if self.is_inactive_split(id) {
             let (small, size) = (
                 self.segments[self.blocks[id].segment].small,
                 self.blocks[id].size,
             );
-            self.stats.inactive_split.update(small, -1);
-            self.stats
-                .inactive_split_bytes
-                .update(small, -(size as i64));
+            self.stats.inactive_split.dec(small, 1);
+            self.stats.inactive_split_bytes.dec(small, size as i64);
         }
         self.blocks[id].state = BlockState::Free;
         self.merge_free(env, id);
@@ -1092,9 +1112,9 @@ impl Shard {
         let small = segment.small;
         let addr = segment.addr + p as u64 * ps;
         let SegmentKind::Vmm(pt) = &mut segment.kind else {
-            return Err(ShardError::BadBlock("not a vmm segment"));
+            return Err(ShardError::NotVmm);
         };
-        let h = pt.handle[p].ok_or(ShardError::BadBlock("page not mapped"))?;
+        let h = pt.handle[p].ok_or(ShardError::PageNotMapped)?;
         env.dev.unmap(addr)?;
         env.trace
             .record(TraceAction::SegmentUnmap, addr, ps, self.stream);
@@ -1103,7 +1123,7 @@ impl Shard {
         pt.set_idle(p, false);
         pt.set_retained(p, false);
         env.pool_budget.release(ps);
-        self.stats.reserved_bytes.update(small, -(ps as i64));
+        self.stats.reserved_bytes.dec(small, ps as i64);
         self.stats.num_device_free += 1;
         Ok(h)
     }
@@ -1271,12 +1291,12 @@ impl Shard {
         self.blocks.remove(first);
         self.segments.remove(seg);
         self.seg_log.push((addr, size, false));
-        self.stats.segment.update(small, -1);
+        self.stats.segment.dec(small, 1);
         if !vmm {
             env.trace
                 .record(TraceAction::SegmentFree, addr, size, self.stream);
             env.budget.release(size);
-            self.stats.reserved_bytes.update(small, -(size as i64));
+            self.stats.reserved_bytes.dec(small, size as i64);
             self.stats.num_device_free += 1;
             env.pool_budget.release(size);
             if env.policy.is_oversize(size) {
@@ -1300,9 +1320,9 @@ impl Shard {
         for (sid, seg) in self.segments.iter() {
             ranges.push((seg.addr, seg.addr + seg.size));
             let small = seg.small;
-            recount.segment.update(small, 1);
+            recount.segment.inc(small, 1);
             if !seg.is_vmm() {
-                recount.reserved_bytes.update(small, seg.size as i64);
+                recount.reserved_bytes.inc(small, seg.size as i64);
             }
             let mut expect_addr = seg.addr;
             let mut prev: Option<BlockId> = None;
@@ -1394,8 +1414,8 @@ impl Shard {
                             if b.pending_events != 0 {
                                 return Err(format!("4: allocated block {id} has pending events"));
                             }
-                            recount.allocation.update(small, 1);
-                            recount.allocated_bytes.update(small, b.size as i64);
+                            recount.allocation.inc(small, 1);
+                            recount.allocated_bytes.inc(small, b.size as i64);
                             if !seg.is_vmm() && b.size >= self.stats_max_split() {
                                 recount.oversize_allocations.update(1);
                             }
@@ -1410,9 +1430,9 @@ impl Shard {
                                 ));
                             }
                         }
-                        recount.active.update(small, 1);
-                        recount.active_bytes.update(small, b.size as i64);
-                        recount.requested_bytes.update(small, b.requested as i64);
+                        recount.active.inc(small, 1);
+                        recount.active_bytes.inc(small, b.size as i64);
+                        recount.requested_bytes.inc(small, b.requested as i64);
                     }
                 }
                 // Free and cached blocks of a split classic segment are inactive splits; every
@@ -1421,8 +1441,8 @@ impl Shard {
                     && !seg.is_vmm()
                     && (b.prev().is_some() || b.next().is_some())
                 {
-                    recount.inactive_split.update(small, 1);
-                    recount.inactive_split_bytes.update(small, b.size as i64);
+                    recount.inactive_split.inc(small, 1);
+                    recount.inactive_split_bytes.inc(small, b.size as i64);
                 }
                 if b.state != BlockState::Free && seg.is_vmm() {
                     let first = ((b.addr - seg.addr) / page_size) as usize;
@@ -1488,22 +1508,22 @@ impl Shard {
                 }
                 recount
                     .reserved_bytes
-                    .update(small, (mapped as u64 * page_size) as i64);
+                    .inc(small, (mapped as u64 * page_size) as i64);
             }
         }
         let allocated = self
             .blocks
             .iter()
-            .filter(|(_, b)| b.state == BlockState::Allocated)
+            .filter(|(_, b)| matches!(b.state, BlockState::Allocated | BlockState::Cached))
             .count();
         let wrong = self.live.iter().any(|(&a, &id)| {
-            self.blocks
-                .get(id)
-                .is_none_or(|b| b.addr != a || b.state != BlockState::Allocated)
+            self.blocks.get(id).is_none_or(|b| {
+                b.addr != a || !matches!(b.state, BlockState::Allocated | BlockState::Cached)
+            })
         });
         if allocated != self.live.len() || wrong {
             return Err(format!(
-                "8: the live map has {} entries for {allocated} allocated blocks (wrong entry: {wrong})",
+                "8: the live map has {} entries for {allocated} allocated or cached blocks (wrong entry: {wrong})",
                 self.live.len()
             ));
         }

@@ -28,6 +28,23 @@ impl Stat {
         }
     }
 
+    /// [`Stat::update`] by `amount >= 0`, without the sign test (the hot paths know the sign).
+    #[inline]
+    pub fn inc(&mut self, amount: i64) {
+        debug_assert!(amount >= 0);
+        self.current += amount;
+        self.peak = self.peak.max(self.current);
+        self.allocated += amount;
+    }
+
+    /// [`Stat::update`] by `-amount`, `amount >= 0`.
+    #[inline]
+    pub fn dec(&mut self, amount: i64) {
+        debug_assert!(amount >= 0);
+        self.current -= amount;
+        self.freed += amount;
+    }
+
     fn merge(&mut self, other: &Stat) {
         self.current += other.current;
         self.peak += other.peak;
@@ -63,6 +80,29 @@ impl StatArray {
             self.small_pool.update(amount);
         } else {
             self.large_pool.update(amount);
+        }
+    }
+
+    /// [`StatArray::update`] by `amount >= 0`.
+    #[inline]
+    pub fn inc(&mut self, small: bool, amount: i64) {
+        self.all.inc(amount);
+        self.class(small).inc(amount);
+    }
+
+    /// [`StatArray::update`] by `-amount`, `amount >= 0`.
+    #[inline]
+    pub fn dec(&mut self, small: bool, amount: i64) {
+        self.all.dec(amount);
+        self.class(small).dec(amount);
+    }
+
+    #[inline]
+    fn class(&mut self, small: bool) -> &mut Stat {
+        if small {
+            &mut self.small_pool
+        } else {
+            &mut self.large_pool
         }
     }
 
@@ -241,6 +281,22 @@ mod tests {
                 freed: 4
             }
         );
+    }
+
+    #[test]
+    fn inc_and_dec_are_update_with_a_known_sign() {
+        let (mut by_update, mut by_sign) = (StatArray::default(), StatArray::default());
+        for (small, amount) in [(true, 7), (false, 5), (true, -3), (false, 0), (false, -5)] {
+            by_update.update(small, amount);
+            if amount >= 0 {
+                by_sign.inc(small, amount);
+            } else {
+                by_sign.dec(small, -amount);
+            }
+        }
+        assert_eq!(by_update, by_sign);
+        assert_eq!(by_sign.all.peak, 12);
+        assert_eq!(by_sign.small_pool.current, 4);
     }
 
     #[test]
