@@ -8,6 +8,8 @@
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch
 # On demand: record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
 # (growth cost per chunk size), host_sim (the criterion host-cost bench on this host)
+# Env: TORCH_SCENARIOS, TORCH_TIMEOUT, CHILD_TIMEOUT, CHILD_CPUS (pin torch children, "2-9"),
+# PARITY_WORKLOADS, PARITY_RUNS, PARITY_STEPS, KINDS, SKIP_UNCACHED
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD

@@ -801,6 +801,17 @@ def child_main(name, alloc, arg):
 # =================================================================================================
 # Parent side: scenarios.
 
+def child_cpus():
+    """CHILD_CPUS ("2-9" or "2,3,5"): the CPUs every child process is pinned to, so that the
+    launching thread of each run sits on the same cores (unset: no pinning)."""
+    spec = os.environ.get("CHILD_CPUS", "").strip()
+    cpus = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def run_child(name, alloc, arg="", extra_env=None):
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -808,9 +819,12 @@ def run_child(name, alloc, arg="", extra_env=None):
         env.update(extra_env)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, alloc, arg]
     timeout = int(os.environ.get("CHILD_TIMEOUT", "540"))
+    cpus = child_cpus()
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     t = time.time()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                           preexec_fn=pin)
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")[-1500:] if isinstance(e.stderr, bytes) else (e.stderr or "")[-1500:]
         return {"child": name, "alloc": alloc, "arg": arg, "ok": False,
