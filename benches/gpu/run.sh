@@ -7,7 +7,8 @@
 #
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch
 # On demand: record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
-# (growth cost per chunk size), host_sim (the criterion host-cost bench on this host)
+# (growth cost per chunk size), host_sim (the criterion host-cost bench on this host), host_abi
+# (sp_alloc + sp_free through the .so, simulated device and CUDA)
 # Env: TORCH_SCENARIOS, TORCH_TIMEOUT, CHILD_TIMEOUT, CHILD_CPUS (pin torch children, "2-9"),
 # PARITY_WORKLOADS, PARITY_RUNS, PARITY_STEPS, KINDS, SKIP_UNCACHED
 set -uo pipefail
@@ -113,6 +114,25 @@ if has host_sim && [ -x "$LIB/alloc_bench_sim" ]; then
   # speed from what the CUDA backend adds to a pair (compare with alloc_bench's slotpool rows).
   run host_sim 300 "$LIB/alloc_bench_sim" --bench --noplot --warm-up-time 1 --measurement-time 3 \
     'pair/vmm/(4KiB|1MiB)$|pair/classic/1MiB$|^threads/1$'
+fi
+
+if has host_abi; then
+  # One thread's sp_alloc + sp_free through the shared library, on the simulated device and on
+  # CUDA in the same call: what the CUDA backend adds to a pair on this host.
+  if gcc -O2 -o "$BUILD/pair_dlopen" benches/c/pair_dlopen.c -ldl >"$OUT/host_abi_build.log" 2>&1; then
+    : >"$OUT/host_abi.log"
+    for rep in 1 2; do
+      for b in sim cuda; do
+        for sz in 4096 1048576; do
+          timeout 120 "$BUILD/pair_dlopen" "$LIB/libslotpool.so" "$sz" "$b" >>"$OUT/host_abi.log" 2>&1
+        done
+      done
+    done
+    cat "$OUT/host_abi.log"
+    grep '^{' "$OUT/host_abi.log" | sed 's/^{/{"step": "host_abi", /' >>"$RES"
+  else
+    note host_abi "\"build\": false"
+  fi
 fi
 
 if has alloc_bench; then
