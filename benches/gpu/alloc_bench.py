@@ -74,12 +74,17 @@ double bench_same(int kind, int64_t iters, int64_t size, int threads) {
   // warm
   for (int t = 0; t < threads; t++) { void* p = do_alloc(kind, size, streams[t]); do_free(kind, p, streams[t]); }
   cudaDeviceSynchronize();
-  std::atomic<int> go{0};
+  // Every thread is started and waiting before the clock starts: thread creation is not timed.
+  std::atomic<int> ready{0}, go{0};
   std::vector<std::thread> th;
-  auto t0 = clk::now();
   for (int t = 0; t < threads; t++) th.emplace_back([&, t]{
+    ready.fetch_add(1);
+    while (!go.load(std::memory_order_acquire)) {}
     for (int64_t i = 0; i < iters; i++) { void* p = do_alloc(kind, size, streams[t]); do_free(kind, p, streams[t]); }
   });
+  while (ready.load() < threads) {}
+  auto t0 = clk::now();
+  go.store(1, std::memory_order_release);
   for (auto& x : th) x.join();
   auto t1 = clk::now();
   cudaDeviceSynchronize();
@@ -121,14 +126,23 @@ res = {}
 rc = m.sp_load(os.environ["SLOTPOOL_LIB"])
 assert rc == 0, f"sp_init failed: {rc}"
 names = {0: "native", 1: "async", 2: "cudamalloc", 3: "slotpool"}
+REPS = int(os.environ.get("ALLOC_BENCH_REPS", "5"))
+
+
+def median(vals):
+    v = sorted(vals)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 kinds = [int(k) for k in os.environ.get("KINDS", "0,1,3").split(",")]
 for kind in kinds:
-    it = 200000 if kind != 2 else 2000
+    # slotpool's pairs are ~30x cheaper: more of them, so that each run lasts as long.
+    it = {2: 2000, 3: 2000000}.get(kind, 200000)
+    reps = REPS if kind == 3 else 3
     for size in (4096, 1 << 20, 64 << 20):
         for threads in ((1, 4, 16) if kind != 2 else (1,)):
-            vals = [m.bench_same(kind, it // max(1, threads // 4), size, threads) for _ in range(3)]
-            res[f"{names[kind]}/same/{size}/t{threads}"] = sorted(vals)[1]
-            print(names[kind], "same", size, "t", threads, f"{sorted(vals)[1]:.1f} ns/pair", [round(v,1) for v in vals], flush=True)
+            # The median of `reps` runs (the host's speed drifts between runs).
+            vals = [m.bench_same(kind, it // max(1, threads // 4), size, threads) for _ in range(reps)]
+            res[f"{names[kind]}/same/{size}/t{threads}"] = median(vals)
+            print(names[kind], "same", size, "t", threads, f"{median(vals):.1f} ns/pair", [round(v,1) for v in vals], flush=True)
     if kind != 2:
         vals = [m.bench_mixed(kind, 200000, 64, 7) for _ in range(3)]
         res[f"{names[kind]}/mixed64"] = sorted(vals)[1]

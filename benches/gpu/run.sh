@@ -130,6 +130,15 @@ if has host_abi; then
     done
     cat "$OUT/host_abi.log"
     grep '^{' "$OUT/host_abi.log" | sed 's/^{/{"step": "host_abi", /' >>"$RES"
+    if command -v perf >/dev/null; then # where a pair's time goes, per backend
+      for b in sim cuda; do
+        perf record -q -o "$BUILD/perf_$b.data" -F 10000 "$BUILD/pair_dlopen" "$LIB/libslotpool.so" 4096 "$b" \
+          >/dev/null 2>&1 && perf report -i "$BUILD/perf_$b.data" --no-children --stdio 2>/dev/null |
+          grep '%' | head -40 >"$OUT/host_abi_perf_$b.log"
+      done
+    else
+      echo "no perf on this host" >"$OUT/host_abi_perf.log"
+    fi
   else
     note host_abi "\"build\": false"
   fi

@@ -15,7 +15,7 @@ use rustc_hash::FxHashMap;
 
 use crate::config::{Config, GrowthMode};
 use crate::device::{CaptureStatus, Device, DevicePtr, StreamId};
-use crate::env::{Budget, Env, EventPool, PagePool, PeakCounter};
+use crate::env::{Budget, Env, EventPool, PagePool, PeakCounter, Shared};
 use crate::error::{AllocError, AllocResult, OomReport};
 use crate::pool::{PoolId, PoolOptions};
 use crate::route::{Route, RouteFilter, current_thread_id};
@@ -69,16 +69,10 @@ pub struct Allocator<D: Device> {
     pub(crate) uid: u64,
     pub(crate) dev: Arc<D>,
     pub(crate) config: Config,
-    pub(crate) vmm_reservation: u64,
-    pub(crate) page_size: u64,
+    /// What the shards of this device share (budget, page and event pools, the trace).
+    pub(crate) shared: Shared,
     pub(crate) arenas: Mutex<FxHashMap<u64, crate::arena::Arena>>,
     pub(crate) next_arena: AtomicU64,
-    pub(crate) budget: Budget,
-    /// Allocated bytes on the device, with an exact peak.
-    pub(crate) allocated: PeakCounter,
-    pub(crate) pages: PagePool,
-    pub(crate) events: EventPool,
-    pub(crate) history: crate::history::TraceRing,
     pub(crate) pools: Mutex<FxHashMap<PoolId, PoolEntry>>,
     next_named_pool: AtomicU64,
     pub(crate) routes: Mutex<Vec<Route>>,
@@ -100,7 +94,7 @@ impl<D: Device> std::fmt::Debug for Allocator<D> {
         f.debug_struct("Allocator")
             .field("uid", &self.uid)
             .field("growth", &self.config.growth)
-            .field("held", &self.budget.held())
+            .field("held", &self.shared.budget.held())
             .finish_non_exhaustive()
     }
 }
@@ -132,17 +126,22 @@ impl<D: Device> Allocator<D> {
         );
         Allocator {
             uid: NEXT_ALLOCATOR_UID.fetch_add(1, Ordering::Relaxed),
+            shared: Shared {
+                page_size: ps,
+                policy: config.policy.clone(),
+                growth: config.growth,
+                budget: Budget::new(limit),
+                allocated: PeakCounter::default(),
+                pages: PagePool::default(),
+                events: EventPool::default(),
+                trace: Default::default(),
+                vmm_reservation,
+                vmm_slack_percent: config.vmm_slack_percent,
+            },
             dev,
             config,
-            vmm_reservation,
-            page_size: ps,
             arenas: Mutex::new(FxHashMap::default()),
             next_arena: AtomicU64::new(1),
-            budget: Budget::new(limit),
-            allocated: PeakCounter::default(),
-            pages: PagePool::default(),
-            events: EventPool::default(),
-            history: Default::default(),
             pools: Mutex::new(pools),
             next_named_pool: AtomicU64::new(1),
             routes: Mutex::new(Vec::new()),
@@ -182,24 +181,25 @@ impl<D: Device> Allocator<D> {
                 "memory fraction {fraction} is not in (0, 1]"
             )));
         }
-        self.budget
+        self.shared
+            .budget
             .set_limit((self.dev.total_memory() as f64 * fraction) as u64);
         Ok(())
     }
 
     /// Cap physical memory at `bytes`.
     pub fn set_memory_limit(&self, bytes: u64) {
-        self.budget.set_limit(bytes);
+        self.shared.budget.set_limit(bytes);
     }
 
     /// The cap on physical memory in force.
     pub fn memory_limit(&self) -> u64 {
-        self.budget.limit()
+        self.shared.budget.limit()
     }
 
     /// Physical bytes held: segments, mapped pages and cached unmapped pages.
     pub fn held_bytes(&self) -> u64 {
-        self.budget.held()
+        self.shared.budget.held()
     }
 
     pub(crate) fn capture_underway(&self) -> bool {
@@ -209,17 +209,8 @@ impl<D: Device> Allocator<D> {
     pub(crate) fn env<'a>(&'a self, pool_budget: &'a Budget) -> Env<'a> {
         Env {
             dev: &*self.dev,
-            page_size: self.page_size,
-            policy: &self.config.policy,
-            growth: self.config.growth,
-            budget: &self.budget,
-            allocated: &self.allocated,
+            shared: &self.shared,
             pool_budget,
-            pages: &self.pages,
-            events: &self.events,
-            trace: &self.history,
-            vmm_reservation: self.vmm_reservation,
-            vmm_slack_percent: self.config.vmm_slack_percent,
             capture_underway: self.capture_underway(),
         }
     }
@@ -243,14 +234,15 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::InvalidSize(size));
         }
         let rounded = self.config.policy.round_size(size);
-        if rounded > self.budget.limit()
+        if rounded > self.shared.budget.limit()
             || (rounded > LARGE_REQUEST && rounded > self.dev.total_memory())
         {
             // Can never fit (over the limit, or over the device when a limit above it was set):
             // refuse before any bookkeeping is sized for it (a vmm request of 2^50 bytes would
             // cost gigabytes of page tables), and count it as PyTorch counts an OOM.
             self.num_ooms.fetch_add(1, Ordering::Relaxed);
-            self.history
+            self.shared
+                .trace
                 .record(crate::history::TraceAction::Oom, 0, rounded, stream);
             return Err(AllocError::OutOfMemory(Box::new(
                 self.oom_report(size, rounded),
@@ -407,7 +399,8 @@ impl<D: Device> Allocator<D> {
             }
         }
         self.num_ooms.fetch_add(1, Ordering::Relaxed);
-        self.history
+        self.shared
+            .trace
             .record(crate::history::TraceAction::Oom, 0, rounded, stream);
         let report = self.oom_report(size, rounded);
         tracing::info!(%report, "out of memory");
@@ -424,7 +417,7 @@ impl<D: Device> Allocator<D> {
                 private += s.stats.reserved_bytes.all.current as u64;
             }
         }
-        let reserved = self.budget.held();
+        let reserved = self.shared.budget.held();
         OomReport {
             requested: size,
             rounded,
@@ -432,7 +425,7 @@ impl<D: Device> Allocator<D> {
             allocated,
             private_pools: private,
             fragmentation: reserved.saturating_sub(allocated),
-            limit: self.budget.limit(),
+            limit: self.shared.budget.limit(),
             device_free: self.dev.free_memory(),
         }
     }
@@ -910,11 +903,11 @@ impl<D: Device> Allocator<D> {
         if self.capture_underway() {
             return;
         }
-        for page in self.pages.drain() {
+        for page in self.shared.pages.drain() {
             if self.dev.release_page(page).is_ok() {
-                self.budget.release(self.page_size);
+                self.shared.budget.release(self.shared.page_size);
             } else {
-                self.pages.put(page);
+                self.shared.pages.put(page);
                 break;
             }
         }
@@ -942,7 +935,7 @@ impl<D: Device> Allocator<D> {
     /// Bytes of `pool` that captured graphs may touch and that therefore stay mapped while the
     /// pool is in use (see [`crate::block::PageTable`]).
     pub fn retained_bytes(&self, pool: PoolId) -> AllocResult<u64> {
-        self.sum_over_pool(pool, |s| s.retained_bytes(self.page_size))
+        self.sum_over_pool(pool, |s| s.retained_bytes(self.shared.page_size))
     }
 
     /// `f` summed over the shards of `pool`; an unknown pool is an error.
@@ -978,9 +971,13 @@ impl<D: Device> Allocator<D> {
         out.num_alloc_retries += self.num_alloc_retries.load(Ordering::Relaxed);
         out.num_ooms += self.num_ooms.load(Ordering::Relaxed);
         // Device-wide peaks from one counter (the merged per-shard peaks add up per shard).
-        out.allocated_bytes.all.peak = self.allocated.peak().max(out.allocated_bytes.all.current);
+        out.allocated_bytes.all.peak = self
+            .shared
+            .allocated
+            .peak()
+            .max(out.allocated_bytes.all.current);
         out.reserved_bytes.all.peak =
-            (self.budget.peak() as i64).max(out.reserved_bytes.all.current);
+            (self.shared.budget.peak() as i64).max(out.reserved_bytes.all.current);
         out
     }
 
@@ -1013,8 +1010,8 @@ impl<D: Device> Allocator<D> {
             // The device-wide counter restarts from the exact allocated bytes.
             s.settle_credit(&self.env(&cell.pool_budget));
         }
-        self.allocated.reset_peak();
-        self.budget.reset_peak();
+        self.shared.allocated.reset_peak();
+        self.shared.budget.reset_peak();
     }
 
     /// `reset_accumulated_memory_stats`.
@@ -1049,10 +1046,10 @@ impl<D: Device> Allocator<D> {
     /// 5. the device-wide allocated counter equals the shards' allocated bytes plus their credits.
     pub fn check_invariants(&self) -> Result<(), String> {
         let _reclaim = lock(&self.reclaim);
-        let ps = self.page_size;
+        let ps = self.shared.page_size;
         let shards = self.all_shards();
         let mut ranges = Vec::new();
-        let mut held = self.pages.len() as u64 * ps;
+        let mut held = self.shared.pages.len() as u64 * ps;
         let mut per_pool: FxHashMap<PoolId, u64> = FxHashMap::default();
         let mut allocated = 0i64;
         for (pool, bytes) in self.arena_bytes() {
@@ -1098,16 +1095,16 @@ impl<D: Device> Allocator<D> {
         if ranges.windows(2).any(|w| w[0].1 > w[1].0) {
             return Err("2: segments of different shards overlap".into());
         }
-        if held != self.budget.held() {
+        if held != self.shared.budget.held() {
             return Err(format!(
                 "3: {} bytes held by the budget, {held} counted",
-                self.budget.held()
+                self.shared.budget.held()
             ));
         }
-        if allocated != self.allocated.current() {
+        if allocated != self.shared.allocated.current() {
             return Err(format!(
                 "5: device-wide allocated {} vs {allocated} in shards",
-                self.allocated.current()
+                self.shared.allocated.current()
             ));
         }
         let pools = lock(&self.pools);
@@ -1154,8 +1151,8 @@ impl<D: Device> Allocator<D> {
         let _ = writeln!(
             out,
             "held {} pages {}",
-            self.budget.held(),
-            self.pages.len()
+            self.shared.budget.held(),
+            self.shared.pages.len()
         );
         out
     }
@@ -1163,17 +1160,17 @@ impl<D: Device> Allocator<D> {
     /// Record allocator events into a ring of `max_entries` (0 stops recording), as
     /// `torch.cuda.memory._record_memory_history` does.
     pub fn record_history(&self, max_entries: usize) {
-        self.history.set(max_entries);
+        self.shared.trace.set(max_entries);
     }
 
     /// Forget the recorded history.
     pub fn clear_history(&self) {
-        self.history.clear();
+        self.shared.trace.clear();
     }
 
     /// The recorded history, oldest first.
     pub fn history(&self) -> Vec<crate::history::TraceEntry> {
-        self.history.entries()
+        self.shared.trace.entries()
     }
 
     /// Whether the configured growth mode is vmm.
@@ -1185,7 +1182,7 @@ impl<D: Device> Allocator<D> {
     /// `memory_snapshot()`). A vmm reservation is reported as one segment per contiguous run of
     /// mapped pages, as PyTorch reports expandable segments; free blocks are clipped to the run.
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
-        let ps = self.page_size.max(1);
+        let ps = self.shared.page_size.max(1);
         let mut out = Vec::new();
         for cell in self.all_shards().values() {
             let s = lock(&cell.shard);

@@ -80,7 +80,7 @@ impl<D: Device> Allocator<D> {
         if !pool.is_default() && !lock(&self.pools).contains_key(&pool) {
             self.create_or_incref_pool(pool, Default::default())?;
         }
-        let capacity = self.vmm_reservation;
+        let capacity = self.shared.vmm_reservation;
         let base = self.dev.reserve(capacity)?;
         let id = self.next_arena.fetch_add(1, Ordering::Relaxed);
         lock(&self.arenas).insert(
@@ -191,7 +191,7 @@ impl<D: Device> Allocator<D> {
         Ok(ArenaReport {
             base: a.base,
             size: a.end,
-            mapped: a.pages.len() as u64 * self.page_size,
+            mapped: a.pages.len() as u64 * self.shared.page_size,
             slots: a.slots.len(),
             relocations: a.relocations,
             live: a.live.len(),
@@ -218,10 +218,10 @@ impl<D: Device> Allocator<D> {
         let a = arenas
             .remove(&arena.0)
             .ok_or_else(|| unknown_arena(arena))?;
-        let ps = self.page_size;
+        let ps = self.shared.page_size;
         for (i, &page) in a.pages.iter().enumerate() {
             self.dev.unmap(a.base + i as u64 * ps)?;
-            self.pages.put(page);
+            self.shared.pages.put(page);
         }
         self.arena_budget(a.pool, |b| b.release(a.pages.len() as u64 * ps));
         self.dev.release_reservation(a.base, a.capacity)?;
@@ -255,7 +255,7 @@ impl<D: Device> Allocator<D> {
         if new_end > a.capacity {
             return Err(AllocError::OutOfMemory(Box::default()));
         }
-        let ps = self.page_size;
+        let ps = self.shared.page_size;
         let need = new_end.div_ceil(ps) as usize;
         let pool = a.pool;
         while a.pages.len() < need {
@@ -266,13 +266,13 @@ impl<D: Device> Allocator<D> {
             if !budget.try_claim(ps) {
                 return Err(AllocError::OutOfMemory(Box::default()));
             }
-            let page = match self.pages.take() {
+            let page = match self.shared.pages.take() {
                 Some(p) => Ok(p),
                 None => {
-                    if self.budget.try_claim(ps) {
+                    if self.shared.budget.try_claim(ps) {
                         self.dev
                             .create_page()
-                            .inspect_err(|_| self.budget.release(ps))
+                            .inspect_err(|_| self.shared.budget.release(ps))
                     } else {
                         Err(crate::device::DeviceError::OutOfMemory)
                     }
@@ -291,7 +291,7 @@ impl<D: Device> Allocator<D> {
                 }
             };
             if let Err(e) = self.dev.map(a.base + a.pages.len() as u64 * ps, page) {
-                self.pages.put(page);
+                self.shared.pages.put(page);
                 budget.release(ps);
                 return Err(AllocError::Device(e));
             }
@@ -307,7 +307,7 @@ impl<D: Device> Allocator<D> {
 
     /// Physical bytes held by arenas, per pool (part of `held_bytes`).
     pub(crate) fn arena_bytes(&self) -> Vec<(PoolId, u64)> {
-        let ps = self.page_size;
+        let ps = self.shared.page_size;
         lock(&self.arenas)
             .values()
             .map(|a| (a.pool, a.pages.len() as u64 * ps))

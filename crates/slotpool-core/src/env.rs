@@ -153,32 +153,50 @@ impl EventPool {
     }
 }
 
-/// Borrowed context for one shard operation.
-#[derive(Clone, Copy)]
-pub struct Env<'a> {
-    pub dev: &'a dyn Device,
+/// What every shard operation on one device shares, fixed when the allocator is made. The
+/// [`crate::Allocator`] owns it; an [`Env`] borrows it whole, so that building one per call costs
+/// a few words rather than a dozen.
+#[derive(Debug)]
+pub struct Shared {
     /// The device's page size, read once (asking the backend may take a lock).
     pub page_size: u64,
-    pub policy: &'a SizePolicy,
+    pub policy: SizePolicy,
     pub growth: GrowthMode,
-    pub budget: &'a Budget,
+    pub budget: Budget,
     /// Allocated bytes on the whole device (exact peak).
-    pub allocated: &'a PeakCounter,
-    /// Bytes the shard's pool holds (classic segments and mapped pages) against its own limit.
-    pub pool_budget: &'a Budget,
-    pub pages: &'a PagePool,
-    pub events: &'a EventPool,
+    pub allocated: PeakCounter,
+    pub pages: PagePool,
+    pub events: EventPool,
     /// The allocation history (recorded only while enabled).
-    pub trace: &'a crate::history::TraceRing,
+    pub trace: crate::history::TraceRing,
     /// Size of each new vmm reservation (at least the request).
     pub vmm_reservation: u64,
     /// Idle mapped memory a vmm shard may keep beyond its live bytes, in percent of them (0: none;
     /// physical memory follows live bytes exactly, at the price of remapping pages when the
     /// allocation pattern shifts).
     pub vmm_slack_percent: f64,
+}
+
+/// Borrowed context for one shard operation: the device, what the device's shards share (its
+/// fields read through `Deref`), and what depends on the call.
+#[derive(Clone, Copy)]
+pub struct Env<'a> {
+    pub dev: &'a dyn Device,
+    pub shared: &'a Shared,
+    /// Bytes the shard's pool holds (classic segments and mapped pages) against its own limit.
+    pub pool_budget: &'a Budget,
     /// Some stream of this device is capturing: no event query, record or synchronise, no free or
     /// unmap (PyTorch's `captures_underway`).
     pub capture_underway: bool,
+}
+
+impl std::ops::Deref for Env<'_> {
+    type Target = Shared;
+
+    #[inline]
+    fn deref(&self) -> &Shared {
+        self.shared
+    }
 }
 
 impl std::fmt::Debug for Env<'_> {
