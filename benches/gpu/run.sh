@@ -8,7 +8,8 @@
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch
 # On demand: record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
 # (growth cost per chunk size), host_sim (the criterion host-cost bench on this host), host_abi
-# (sp_alloc + sp_free through the .so, simulated device and CUDA)
+# (sp_alloc + sp_free through the .so, simulated device and CUDA), cpu_probe (the same, pinned to
+# each CPU in turn)
 # Env: TORCH_SCENARIOS, TORCH_TIMEOUT, CHILD_TIMEOUT, CHILD_CPUS (pin torch children, "2-9"),
 # PARITY_WORKLOADS, PARITY_RUNS, PARITY_STEPS, KINDS, SKIP_UNCACHED
 set -uo pipefail
@@ -142,6 +143,21 @@ if has host_abi; then
   else
     note host_abi "\"build\": false"
   fi
+fi
+
+if has cpu_probe; then
+  # Is a pair's cost a property of the CPU it runs on? The .so pair pinned to each CPU in turn.
+  gcc -O2 -o "$BUILD/pair_dlopen" benches/c/pair_dlopen.c -ldl
+  (lscpu; cat /sys/fs/cgroup/cpu.max 2>/dev/null) >"$OUT/cpu_probe_lscpu.log" 2>&1
+  : >"$OUT/cpu_probe.log"
+  for cpu in $(seq 0 $(($(nproc) - 1))); do
+    for b in sim cuda; do
+      line=$(timeout 60 python3 -c 'import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); os.execv(sys.argv[2], sys.argv[2:])' \
+        "$cpu" "$BUILD/pair_dlopen" "$LIB/libslotpool.so" 4096 "$b" 2>&1 | grep '^{')
+      echo "${line%\}}, \"cpu\": $cpu}" | tee -a "$OUT/cpu_probe.log"
+    done
+  done
+  grep '^{' "$OUT/cpu_probe.log" | sed 's/^{/{"step": "cpu_probe", /' >>"$RES"
 fi
 
 if has alloc_bench; then
