@@ -869,19 +869,10 @@ impl Shard {
             return;
         };
         pt.cover(end);
-        for p in first..end {
-            if delta > 0 {
-                pt.live[p] += 1;
-                if pt.live[p] == 1 {
-                    pt.set_idle(p, false);
-                }
-            } else {
-                pt.live[p] -= 1;
-                if pt.live[p] == 0 && pt.handle[p].is_some() {
-                    pt.set_idle(p, true);
-                    pt.idle_epoch[p] = epoch;
-                }
-            }
+        if delta > 0 {
+            pt.add_live(first, end);
+        } else {
+            pt.drop_live(first, end, epoch);
         }
     }
 
