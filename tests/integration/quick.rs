@@ -223,3 +223,64 @@ fn a_shard_born_after_a_checkpoint_of_its_empty_pool_caches_nothing() {
     assert_eq!(delta.freed[0].0, a);
     checked(&alloc);
 }
+
+/// A cached block stays in its shard's live map (invariant 8) but is no allocation: every
+/// pointer lookup refuses it, from this thread (whose cached shard holds it) and from another,
+/// and the refusals change nothing.
+#[test]
+fn a_cached_block_is_no_allocation_to_pointer_lookups() {
+    for growth in [GrowthMode::Vmm, GrowthMode::Classic] {
+        let (_dev, alloc) = setup(growth, 1 << 30);
+        let alloc = std::sync::Arc::new(alloc);
+        let a = alloc.alloc(8 * KIB, 0).unwrap();
+        alloc.free(a).unwrap();
+        let before = alloc.stats();
+        assert!(alloc.allocation_info(a).is_err());
+        assert!(alloc.record_stream(a, 5).is_err());
+        assert!(alloc.mark_reusable(a).is_err());
+        assert!(alloc.free(a).is_err());
+        let other = alloc.clone();
+        std::thread::spawn(move || {
+            assert!(other.free(a).is_err());
+            assert!(other.allocation_info(a).is_err());
+        })
+        .join()
+        .unwrap();
+        assert_eq!(alloc.stats(), before, "{growth:?}");
+        checked(&alloc);
+        // Still served to the next request of its size.
+        assert_eq!(alloc.alloc(8 * KIB, 0).unwrap(), a);
+        assert_eq!(alloc.allocation_info(a).unwrap().1, 8 * KIB);
+        alloc.free(a).unwrap();
+        checked(&alloc);
+    }
+}
+
+/// A free of another shard's block, by a thread whose cached shard does not hold it, is found
+/// through the segment registry; the block goes to its own shard's quick cache.
+#[test]
+fn a_free_on_another_threads_shard_finds_the_owner() {
+    let (_dev, alloc) = setup(GrowthMode::Vmm, 1 << 30);
+    let alloc = std::sync::Arc::new(alloc);
+    let mine = alloc.alloc(4 * KIB, 0).unwrap();
+    let other = alloc.clone();
+    let theirs = std::thread::spawn(move || other.alloc(4 * KIB, 9).unwrap())
+        .join()
+        .unwrap();
+    // This thread's cached shard is stream 0's: the free asks it, then the registry.
+    alloc.free(theirs).unwrap();
+    checked(&alloc);
+    assert!(alloc.free(theirs).is_err(), "a double free is refused");
+    assert_eq!(cached_blocks(&alloc), 1);
+    let other = alloc.clone();
+    let again = std::thread::spawn(move || other.alloc(4 * KIB, 9).unwrap())
+        .join()
+        .unwrap();
+    assert_eq!(
+        again, theirs,
+        "stream 9's shard serves it back from its cache"
+    );
+    alloc.free(again).unwrap();
+    alloc.free(mine).unwrap();
+    checked(&alloc);
+}
