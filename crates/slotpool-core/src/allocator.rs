@@ -15,7 +15,7 @@ use rustc_hash::FxHashMap;
 
 use crate::config::{Config, GrowthMode};
 use crate::device::{CaptureStatus, Device, DevicePtr, StreamId};
-use crate::env::{Budget, Env, EventPool, PagePool, PeakCounter, Shared};
+use crate::env::{Budget, Env, EventPool, PagePool, Shared};
 use crate::error::{AllocError, AllocResult, OomReport};
 use crate::pool::{PoolId, PoolOptions};
 use crate::route::{Route, RouteFilter, current_thread_id};
@@ -131,7 +131,7 @@ impl<D: Device> Allocator<D> {
                 policy: config.policy.clone(),
                 growth: config.growth,
                 budget: Budget::new(limit),
-                allocated: PeakCounter::default(),
+                allocated: Default::default(),
                 pages: PagePool::default(),
                 events: EventPool::default(),
                 trace: Default::default(),

@@ -163,8 +163,9 @@ pub struct Shared {
     pub policy: SizePolicy,
     pub growth: GrowthMode,
     pub budget: Budget,
-    /// Allocated bytes on the whole device (exact peak).
-    pub allocated: PeakCounter,
+    /// Allocated bytes on the whole device (exact peak). On its own cache line: every large
+    /// allocation writes it, and the fields around it are read by every call on every thread.
+    pub allocated: crossbeam_utils::CachePadded<PeakCounter>,
     pub pages: PagePool,
     pub events: EventPool,
     /// The allocation history (recorded only while enabled).
