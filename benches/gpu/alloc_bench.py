@@ -142,6 +142,8 @@ for kind in kinds:
             # The median of `reps` runs (the host's speed drifts between runs).
             vals = [m.bench_same(kind, it // max(1, threads // 4), size, threads) for _ in range(reps)]
             res[f"{names[kind]}/same/{size}/t{threads}"] = median(vals)
+            # The fastest run: the cost when the (shared, virtualised) host is undisturbed.
+            res[f"{names[kind]}/same/{size}/t{threads}/best"] = min(vals)
             print(names[kind], "same", size, "t", threads, f"{median(vals):.1f} ns/pair", [round(v,1) for v in vals], flush=True)
     if kind != 2:
         vals = [m.bench_mixed(kind, 200000, 64, 7) for _ in range(3)]
