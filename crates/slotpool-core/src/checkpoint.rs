@@ -91,6 +91,12 @@ pub(crate) struct Journal {
     entries: Vec<Entry>,
     images: Vec<Image>,
     uses: Vec<StreamId>,
+    /// Per block id, `window + 1` once an entry names it after the newest mark: a restore reads
+    /// only a block's first entry after any mark, so later changes of it add nothing (without
+    /// this, churn under a live checkpoint grew the journal by five entries a pair).
+    recorded: Vec<u32>,
+    /// Counts the newest mark's windows; a new mark, or entries cut away, opens a new one.
+    window: u32,
     /// Buffers of restores (boxed: a shard that never restores carries a pointer, not them); a
     /// `RefCell` because planning reads the shard.
     scratch: Box<RefCell<Scratch>>,
@@ -166,15 +172,53 @@ impl Seen {
 }
 
 impl Journal {
-    /// Record one change (the shard only calls this while a mark is alive).
+    /// Whether an entry names block `id` since the newest mark.
+    #[inline]
+    pub(crate) fn records(&self, id: BlockId) -> bool {
+        self.recorded.get(id) == Some(&(self.window + 1))
+    }
+
+    /// Note that an entry names `id` from now on; false if one already did.
+    #[inline]
+    fn first_record(&mut self, id: BlockId) -> bool {
+        if id >= self.recorded.len() {
+            self.recorded.resize((id + 1).next_power_of_two(), 0);
+        }
+        let stamp = &mut self.recorded[id];
+        let fresh = *stamp != self.window + 1;
+        *stamp = self.window + 1;
+        fresh
+    }
+
+    /// Forget which blocks are recorded: a mark was placed, or entries were cut away.
+    pub(crate) fn new_window(&mut self) {
+        if self.window >= u32::MAX - 1 {
+            self.recorded.fill(0);
+            self.window = 0;
+        }
+        self.window += 1;
+    }
+
+    /// Record one change (the shard only calls this while a mark is alive); a block that an
+    /// entry names since the newest mark is not recorded again.
     #[inline]
     pub(crate) fn push(&mut self, u: Undo) {
         let e = match u {
-            Undo::Modified(id, b) | Undo::Removed(id, b) => Entry::Image {
-                id,
-                img: self.add_image(&b),
-            },
-            Undo::Inserted(id) => Entry::Inserted(id),
+            Undo::Modified(id, b) | Undo::Removed(id, b) => {
+                if !self.first_record(id) {
+                    return;
+                }
+                Entry::Image {
+                    id,
+                    img: self.add_image(&b),
+                }
+            }
+            Undo::Inserted(id) => {
+                if !self.first_record(id) {
+                    return;
+                }
+                Entry::Inserted(id)
+            }
             Undo::SegmentAdded(seg) => Entry::SegmentAdded(seg),
             Undo::SegmentFirst(seg, first) => Entry::SegmentFirst {
                 seg: u32::try_from(seg).expect("segment id over u32"),
@@ -242,6 +286,9 @@ impl Journal {
     /// Record block `id`'s before-image from a reference (no clone of its stream uses).
     #[inline]
     fn push_modified(&mut self, id: BlockId, b: &Block) {
+        if !self.first_record(id) {
+            return;
+        }
         let img = self.add_image(b);
         self.entries.push(Entry::Image { id, img });
     }
@@ -271,6 +318,7 @@ impl Journal {
         self.entries.clear();
         self.images.clear();
         self.uses.clear();
+        self.new_window();
     }
 
     /// The image index and uses index where entries from `pos` on begin.
@@ -295,6 +343,7 @@ impl Journal {
         self.entries.truncate(pos);
         self.images.truncate(img);
         self.uses.truncate(uses);
+        self.new_window();
     }
 
     /// Drop the first `n` entries.
@@ -664,6 +713,7 @@ impl Shard {
             ));
         }
         let pos = self.journal.len();
+        self.journal.new_window();
         self.marks.push(Mark {
             pos,
             token: token.id,

@@ -246,7 +246,8 @@ impl Shard {
     /// Journal block `id`'s state before a change.
     #[inline]
     fn touch(&mut self, id: BlockId) {
-        if self.journaling() {
+        // A block recorded since the newest mark is not cloned again only to be dropped.
+        if self.journaling() && !self.journal.records(id) {
             self.journal
                 .push(Undo::Modified(id, self.blocks[id].clone()));
         }
