@@ -833,7 +833,10 @@ impl Shard {
             self.touch(n);
         }
         let gone = self.blocks.remove(b);
-        self.note(Undo::Removed(b, gone.clone()));
+        // A block recorded since the newest mark is not cloned only to be dropped.
+        if self.journaling() && !self.journal.records(b) {
+            self.journal.push(Undo::Removed(b, gone.clone()));
+        }
         let blk = &mut self.blocks[a];
         blk.size += gone.size;
         blk.set_next(gone.next());
