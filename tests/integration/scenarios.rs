@@ -662,6 +662,50 @@ fn a_block_changed_over_and_over_is_journaled_once() {
     }
 }
 
+/// Churn that splits and merges under a live checkpoint reuses the ids it mints (no live mark
+/// names them), so the journal stays bounded; the checkpoint still restores.
+#[test]
+fn churn_under_a_live_checkpoint_keeps_the_journal_bounded() {
+    for growth in [GrowthMode::Vmm, GrowthMode::Classic] {
+        let (dev, a) = setup(growth, 1 << 30);
+        a.create_or_incref_pool(POOL, PoolOptions::default())
+            .unwrap();
+        let keep: Vec<u64> = (0..8)
+            .map(|i| a.alloc_in(POOL, 4096 * (1 + i % 3), 0).unwrap())
+            .collect();
+        let cp = a.checkpoint(POOL).unwrap();
+        let mut lens = Vec::new();
+        for i in 0..2000u64 {
+            let p = a.alloc_in(POOL, 512 * (1 + (i * 13) % 64), 0).unwrap();
+            let q = a.alloc_in(POOL, 4096, 0).unwrap();
+            a.free(p).unwrap();
+            a.free(q).unwrap();
+            lens.push(a.checkpoint_journal_len(POOL).unwrap());
+        }
+        assert!(
+            lens[1999] <= lens[99].max(16),
+            "{growth:?}: the journal grows with churn: {} after 100 pairs, {} after 2000",
+            lens[99],
+            lens[1999]
+        );
+        check_all(&dev, &a, &[]);
+        let extra = a.alloc_in(POOL, 3 * MIB, 0).unwrap();
+        a.restore(POOL, &cp, &keep).unwrap();
+        let mut live: Vec<u64> = a
+            .live_allocations(POOL)
+            .unwrap()
+            .iter()
+            .map(|l| l.0)
+            .collect();
+        live.sort_unstable();
+        let mut want = keep.clone();
+        want.sort_unstable();
+        assert_eq!(live, want, "{growth:?}");
+        assert!(!live.contains(&extra));
+        check_all(&dev, &a, &[]);
+    }
+}
+
 #[test]
 fn large_pages_keep_small_blocks_in_classic_segments() {
     let (dev, a) = crate::common::setup_paged(GrowthMode::Vmm, 1 << 30, Some(8 * MIB));

@@ -27,8 +27,10 @@ use crate::shard::{Shard, ShardError};
 pub(crate) enum Undo {
     /// Block `id` looked like this before a change.
     Modified(BlockId, Block),
-    /// Block `id` was created.
+    /// Block `id` was created (a restore putting a block back under its old id).
     Inserted(BlockId),
+    /// Block `id` was created under an id fresh from the slab: no entry of any window names it.
+    Minted(BlockId),
     /// Block `id` (as it was) was removed.
     Removed(BlockId, Block),
     /// Segment `id` was added.
@@ -91,9 +93,10 @@ pub(crate) struct Journal {
     entries: Vec<Entry>,
     images: Vec<Image>,
     uses: Vec<StreamId>,
-    /// Per block id, `window + 1` once an entry names it after the newest mark: a restore reads
-    /// only a block's first entry after any mark, so later changes of it add nothing (without
-    /// this, churn under a live checkpoint grew the journal by five entries a pair).
+    /// Per block id, `(window + 1) << 1` once an entry names it after the newest mark, plus 1
+    /// when that entry is its minting: a restore reads only a block's first entry after any
+    /// mark, so later changes of it add nothing (without this, churn under a live checkpoint grew
+    /// the journal by five entries a pair).
     recorded: Vec<u32>,
     /// Counts the newest mark's windows; a new mark, or entries cut away, opens a new one.
     window: u32,
@@ -175,24 +178,37 @@ impl Journal {
     /// Whether an entry names block `id` since the newest mark.
     #[inline]
     pub(crate) fn records(&self, id: BlockId) -> bool {
-        self.recorded.get(id) == Some(&(self.window + 1))
+        self.recorded
+            .get(id)
+            .is_some_and(|&s| s >> 1 == self.window + 1)
     }
 
-    /// Note that an entry names `id` from now on; false if one already did.
+    /// Whether block id `id` was minted since the newest mark: its one entry anywhere is that
+    /// minting, so at every live mark the id was vacant, and a restore to any of them removes
+    /// whatever holds it then. Such an id can be reused at once when its block goes.
     #[inline]
-    fn first_record(&mut self, id: BlockId) -> bool {
+    pub(crate) fn minted_since_mark(&self, id: BlockId) -> bool {
+        self.recorded.get(id) == Some(&(((self.window + 1) << 1) | 1))
+    }
+
+    /// Note that an entry names `id` from now on (`minted`: the entry is its minting); false if
+    /// one already did.
+    #[inline]
+    fn first_record(&mut self, id: BlockId, minted: bool) -> bool {
         if id >= self.recorded.len() {
             self.recorded.resize((id + 1).next_power_of_two(), 0);
         }
         let stamp = &mut self.recorded[id];
-        let fresh = *stamp != self.window + 1;
-        *stamp = self.window + 1;
-        fresh
+        if *stamp >> 1 == self.window + 1 {
+            return false;
+        }
+        *stamp = ((self.window + 1) << 1) | minted as u32;
+        true
     }
 
     /// Forget which blocks are recorded: a mark was placed, or entries were cut away.
     pub(crate) fn new_window(&mut self) {
-        if self.window >= u32::MAX - 1 {
+        if self.window >= (u32::MAX >> 1) - 1 {
             self.recorded.fill(0);
             self.window = 0;
         }
@@ -205,7 +221,7 @@ impl Journal {
     pub(crate) fn push(&mut self, u: Undo) {
         let e = match u {
             Undo::Modified(id, b) | Undo::Removed(id, b) => {
-                if !self.first_record(id) {
+                if !self.first_record(id, false) {
                     return;
                 }
                 Entry::Image {
@@ -213,8 +229,8 @@ impl Journal {
                     img: self.add_image(&b),
                 }
             }
-            Undo::Inserted(id) => {
-                if !self.first_record(id) {
+            Undo::Inserted(id) | Undo::Minted(id) => {
+                if !self.first_record(id, matches!(u, Undo::Minted(_))) {
                     return;
                 }
                 Entry::Inserted(id)
@@ -286,7 +302,7 @@ impl Journal {
     /// Record block `id`'s before-image from a reference (no clone of its stream uses).
     #[inline]
     fn push_modified(&mut self, id: BlockId, b: &Block) {
-        if !self.first_record(id) {
+        if !self.first_record(id, false) {
             return;
         }
         let img = self.add_image(b);
@@ -714,6 +730,7 @@ impl Shard {
         }
         let pos = self.journal.len();
         self.journal.new_window();
+        self.blocks.seal();
         self.marks.push(Mark {
             pos,
             token: token.id,

@@ -9,6 +9,8 @@ pub struct IdSlab<T> {
     slots: Vec<Option<T>>,
     vacant: Vec<usize>,
     held: Vec<usize>,
+    /// Held ids made reusable again (`unhold`), until the next mark (`seal`).
+    reusable: Vec<usize>,
     len: usize,
     hold: bool,
 }
@@ -19,6 +21,7 @@ impl<T> Default for IdSlab<T> {
             slots: Vec::new(),
             vacant: Vec::new(),
             held: Vec::new(),
+            reusable: Vec::new(),
             len: 0,
             hold: false,
         }
@@ -42,6 +45,7 @@ impl<T> IdSlab<T> {
     pub fn set_hold(&mut self, on: bool) {
         if !on {
             self.vacant.append(&mut self.held);
+            self.vacant.append(&mut self.reusable);
         }
         self.hold = on;
     }
@@ -63,7 +67,29 @@ impl<T> IdSlab<T> {
         });
     }
 
+    /// Make `id`, just removed while ids are held, reusable after all: no journal entry needs it
+    /// kept vacant.
+    pub fn unhold(&mut self, id: usize) {
+        if self.held.last() == Some(&id) {
+            self.held.pop();
+            self.reusable.push(id);
+        }
+    }
+
+    /// A new mark: ids made reusable so far are held like the others (entries before the mark
+    /// name them).
+    pub fn seal(&mut self) {
+        self.held.append(&mut self.reusable);
+    }
+
     pub fn insert(&mut self, v: T) -> usize {
+        while let Some(id) = self.reusable.pop() {
+            if self.slots[id].is_none() {
+                self.slots[id] = Some(v);
+                self.len += 1;
+                return id;
+            }
+        }
         while let Some(id) = self.vacant.pop() {
             if self.slots[id].is_none() {
                 self.slots[id] = Some(v);

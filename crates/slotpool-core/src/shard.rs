@@ -459,7 +459,7 @@ impl Shard {
         self.segments[seg].first = id;
         self.seg_log.push((addr, size, true));
         self.note(Undo::SegmentAdded(seg));
-        self.note(Undo::Inserted(id));
+        self.note(Undo::Minted(id));
         self.index_insert(id);
         tracing::debug!(pool = ?self.pool, stream = self.stream, addr, size, "segment added");
         Ok(id)
@@ -496,7 +496,7 @@ impl Shard {
                 Some(id),
                 next,
             ));
-            self.note(Undo::Inserted(rest));
+            self.note(Undo::Minted(rest));
             if let Some(n) = self.blocks[id].next() {
                 self.blocks[n].set_prev(Some(rest));
             }
@@ -833,9 +833,15 @@ impl Shard {
             self.touch(n);
         }
         let gone = self.blocks.remove(b);
-        // A block recorded since the newest mark is not cloned only to be dropped.
-        if self.journaling() && !self.journal.records(b) {
-            self.journal.push(Undo::Removed(b, gone.clone()));
+        if self.journaling() {
+            if self.journal.minted_since_mark(b) {
+                // No live mark knows this id: reuse it, so that churn under a checkpoint does
+                // not grow the slab and the journal by one id a split.
+                self.blocks.unhold(b);
+            } else if !self.journal.records(b) {
+                // A block recorded since the newest mark is not cloned only to be dropped.
+                self.journal.push(Undo::Removed(b, gone.clone()));
+            }
         }
         let blk = &mut self.blocks[a];
         blk.size += gone.size;
