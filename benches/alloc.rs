@@ -11,6 +11,8 @@
 //!   (wall time / pairs of one thread); the throughput line is the aggregate in pairs/s. A summary
 //!   with the ratio to one thread is printed at the end.
 //! - `threads_classic/<n>`: the same in classic growth mode.
+//! - `threads_64MiB/<n>`: the same with 64 MiB pairs (vmm), which every thread counts in the
+//!   device-wide allocated counter: what limits large pairs on many threads.
 //!
 //! Run: `cargo bench --bench alloc -- --noplot`.
 
@@ -212,10 +214,10 @@ fn schedstat() -> (u64, u64) {
     (f.next().unwrap_or(0), f.next().unwrap_or(0))
 }
 
-/// n threads, each on its own stream, each doing `iters` 1 MiB alloc + free pairs on `a`. The
-/// wall time runs from the first thread's start to the last thread's end, so wall / iters is ns
-/// per pair per thread.
-fn run_threads(a: &Arc<Allocator<SimDevice>>, n: usize, iters: u64) -> ThreadRun {
+/// n threads, each on its own stream, each doing `iters` alloc + free pairs of `size` bytes on
+/// `a`. The wall time runs from the first thread's start to the last thread's end, so wall / iters
+/// is ns per pair per thread.
+fn run_threads(a: &Arc<Allocator<SimDevice>>, n: usize, iters: u64, size: u64) -> ThreadRun {
     let barrier = Arc::new(Barrier::new(n));
     let handles: Vec<_> = (0..n)
         .map(|t| {
@@ -224,13 +226,13 @@ fn run_threads(a: &Arc<Allocator<SimDevice>>, n: usize, iters: u64) -> ThreadRun
             std::thread::spawn(move || {
                 let stream = t as u64 + 1;
                 // Warm this thread's shard and its thread-local shard cache.
-                let p = a.alloc(MIB, stream).expect("warm alloc");
+                let p = a.alloc(size, stream).expect("warm alloc");
                 a.free(p).expect("warm free");
                 barrier.wait();
                 let s0 = schedstat();
                 let start = Instant::now();
                 for _ in 0..iters {
-                    let p = a.alloc(black_box(MIB), stream).expect("alloc");
+                    let p = a.alloc(black_box(size), stream).expect("alloc");
                     a.free(black_box(p)).expect("free");
                 }
                 let end = Instant::now();
@@ -274,7 +276,7 @@ fn pooled(runs: &[ThreadRun], n: usize) -> (f64, f64, f64, f64) {
     )
 }
 
-fn bench_threads_in(c: &mut Criterion, group: &str, growth: GrowthMode) {
+fn bench_threads_in(c: &mut Criterion, group: &str, growth: GrowthMode, size: u64) {
     const COUNTS: [usize; 3] = [1, 2, 4];
     let (_dev, a) = allocator(growth);
     let a = Arc::new(a);
@@ -289,7 +291,7 @@ fn bench_threads_in(c: &mut Criterion, group: &str, growth: GrowthMode) {
         g.throughput(Throughput::Elements(n as u64));
         g.bench_function(BenchmarkId::from_parameter(n), |b| {
             b.iter_custom(|iters| {
-                let run = run_threads(&a, n, iters);
+                let run = run_threads(&a, n, iters, size);
                 runs.lock().expect("runs").push(run);
                 run.wall
             })
@@ -305,7 +307,8 @@ fn bench_threads_in(c: &mut Criterion, group: &str, growth: GrowthMode) {
     // the threads did not all run at once, and the scaling figure understates the allocator.
     let (_, one, _, _) = pooled(&runs, 1);
     println!(
-        "{group} summary (1 MiB pairs, {}, all runs incl. warm-up pooled):",
+        "{group} summary ({} pairs, {}, all runs incl. warm-up pooled):",
+        size_name(size),
         mode_name(growth)
     );
     for n in COUNTS {
@@ -321,14 +324,20 @@ fn bench_threads_in(c: &mut Criterion, group: &str, growth: GrowthMode) {
     }
 }
 
-/// `threads/<n>`: the default growth mode (vmm).
+/// `threads/<n>`: 1 MiB pairs in the default growth mode (vmm).
 fn bench_threads(c: &mut Criterion) {
-    bench_threads_in(c, "threads", GrowthMode::Vmm);
+    bench_threads_in(c, "threads", GrowthMode::Vmm, MIB);
 }
 
 /// `threads_classic/<n>`: the same in classic mode, whose hot path makes no device call.
 fn bench_threads_classic(c: &mut Criterion) {
-    bench_threads_in(c, "threads_classic", GrowthMode::Classic);
+    bench_threads_in(c, "threads_classic", GrowthMode::Classic, MIB);
+}
+
+/// `threads_64MiB/<n>`: large pairs, which every thread counts in the device-wide allocated
+/// counter (a small pair stays within its shard's credit).
+fn bench_threads_large(c: &mut Criterion) {
+    bench_threads_in(c, "threads_64MiB", GrowthMode::Vmm, 64 * MIB);
 }
 
 criterion_group!(
@@ -336,6 +345,7 @@ criterion_group!(
     bench_pair,
     bench_random,
     bench_threads,
-    bench_threads_classic
+    bench_threads_classic,
+    bench_threads_large
 );
 criterion_main!(benches);
