@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use slotpool::core::{Allocator, Config, GrowthMode};
+use slotpool::core::{Allocator, Config, GrowthMode, PoolId, PoolOptions};
 use slotpool::sim::{Backing, SimConfig, SimDevice};
 
 pub const MIB: u64 = 1 << 20;
@@ -11,6 +11,14 @@ pub const MIB: u64 = 1 << 20;
 /// A byte-backed simulated device of `total` bytes and an allocator over it.
 pub fn setup(growth: GrowthMode, total: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
     setup_paged(growth, total, None)
+}
+
+/// As [`setup`] on a 1 GiB device, with `pool` created (default options).
+pub fn setup_with_pool(growth: GrowthMode, pool: PoolId) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let (dev, a) = setup(growth, 1 << 30);
+    a.create_or_incref_pool(pool, PoolOptions::default())
+        .expect("create the test's pool");
+    (dev, a)
 }
 
 /// As [`setup`], with vmm pages of `page` bytes (`vmm_page_mb`; the device is built with them).

@@ -4,7 +4,7 @@
 use slotpool::core::{Allocator, GrowthMode, PoolId, PoolOptions, RouteFilter};
 use slotpool::sim::SimDevice;
 
-use crate::common::{MIB, check_all, setup};
+use crate::common::{MIB, check_all, setup, setup_with_pool};
 
 const POOL: PoolId = PoolId(0, 7);
 
@@ -30,9 +30,7 @@ fn capture<R>(dev: &SimDevice, a: &Allocator<SimDevice>, stream: u64, f: impl Fn
 #[test]
 fn a_pool_in_use_releases_what_no_graph_touched() {
     for growth in [GrowthMode::Vmm, GrowthMode::Classic] {
-        let (dev, a) = setup(growth, 1 << 30);
-        a.create_or_incref_pool(POOL, PoolOptions::default())
-            .unwrap();
+        let (dev, a) = setup_with_pool(growth, POOL);
         let x = a.alloc_in(POOL, 64 * MIB, 0).unwrap();
         a.free(x).unwrap();
         assert!(reserved(&a, POOL) >= 64 * MIB);
@@ -50,9 +48,7 @@ fn a_pool_in_use_releases_what_no_graph_touched() {
 #[test]
 fn memory_a_graph_touched_stays_mapped_until_the_pool_is_released() {
     for growth in [GrowthMode::Vmm, GrowthMode::Classic] {
-        let (dev, a) = setup(growth, 1 << 30);
-        a.create_or_incref_pool(POOL, PoolOptions::default())
-            .unwrap();
+        let (dev, a) = setup_with_pool(growth, POOL);
         // Scratch of the pool, freed before the capture: no graph touches it.
         let scratch = a.alloc_in(POOL, 32 * MIB, 5).unwrap();
         a.free(scratch).unwrap();

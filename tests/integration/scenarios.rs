@@ -6,7 +6,7 @@ use std::sync::Arc;
 use slotpool::core::{AllocError, Allocator, Config, GrowthMode, PoolId, PoolOptions, RouteFilter};
 use slotpool::sim::{Backing, SimConfig, SimDevice};
 
-use crate::common::{Live, MIB, check_all, fill_probes, setup, verify_probes};
+use crate::common::{Live, MIB, check_all, fill_probes, setup, setup_with_pool, verify_probes};
 
 const POOL: PoolId = PoolId(0, 1);
 
@@ -40,9 +40,7 @@ fn live(ptr: u64, size: u64, seed: u64) -> Live {
 #[test]
 fn checkpoint_restore_frees_new_and_recreates_old() {
     for growth in [GrowthMode::Vmm, GrowthMode::Classic] {
-        let (dev, a) = setup(growth, 1 << 30);
-        a.create_or_incref_pool(POOL, PoolOptions::default())
-            .unwrap();
+        let (dev, a) = setup_with_pool(growth, POOL);
         let pa = a.alloc_in(POOL, 3 * MIB, 0).unwrap();
         let pb = a.alloc_in(POOL, 4096, 0).unwrap();
         fill_probes(&dev, pb, 4096, 7);
@@ -622,9 +620,7 @@ fn switching_between_checkpoints_forever_keeps_the_journal_bounded() {
 #[test]
 fn a_block_changed_over_and_over_is_journaled_once() {
     for growth in [GrowthMode::Vmm, GrowthMode::Classic] {
-        let (dev, a) = setup(growth, 1 << 30);
-        a.create_or_incref_pool(POOL, PoolOptions::default())
-            .unwrap();
+        let (dev, a) = setup_with_pool(growth, POOL);
         // [left][hole][right]: a 4 KiB request fits the hole exactly (no split, no merge).
         let left = a.alloc_in(POOL, 4096, 0).unwrap();
         let hole = a.alloc_in(POOL, 4096, 0).unwrap();
@@ -667,9 +663,7 @@ fn a_block_changed_over_and_over_is_journaled_once() {
 #[test]
 fn churn_under_a_live_checkpoint_keeps_the_journal_bounded() {
     for growth in [GrowthMode::Vmm, GrowthMode::Classic] {
-        let (dev, a) = setup(growth, 1 << 30);
-        a.create_or_incref_pool(POOL, PoolOptions::default())
-            .unwrap();
+        let (dev, a) = setup_with_pool(growth, POOL);
         let keep: Vec<u64> = (0..8)
             .map(|i| a.alloc_in(POOL, 4096 * (1 + i % 3), 0).unwrap())
             .collect();
