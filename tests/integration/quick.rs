@@ -2,10 +2,10 @@
 //! its exact size, merged back before the shard grows, releases memory or is checkpointed.
 
 use slotpool::core::block::BlockState;
-use slotpool::core::{GrowthMode, PoolId, PoolOptions};
+use slotpool::core::{GrowthMode, PoolId};
 use slotpool::sim::CallKind;
 
-use crate::common::{MIB, setup};
+use crate::common::{MIB, setup, setup_with_pool};
 
 const KIB: u64 = 1 << 10;
 
@@ -124,10 +124,7 @@ fn empty_cache_and_snapshots_see_cached_blocks_as_free() {
 #[test]
 fn no_block_is_cached_while_a_checkpoint_is_alive() {
     let pool = PoolId(0, 7);
-    let (_dev, alloc) = setup(GrowthMode::Vmm, 1 << 30);
-    alloc
-        .create_or_incref_pool(pool, PoolOptions::default())
-        .unwrap();
+    let (_dev, alloc) = setup_with_pool(GrowthMode::Vmm, pool);
     let a = alloc.alloc_in(pool, MIB, 0).unwrap();
     alloc.free(a).unwrap(); // cached
     let cp = alloc.checkpoint(pool).unwrap();
@@ -200,10 +197,7 @@ fn the_cache_follows_whether_it_pays() {
 #[test]
 fn a_shard_born_after_a_checkpoint_of_its_empty_pool_caches_nothing() {
     let pool = PoolId(0, 9);
-    let (_dev, alloc) = setup(GrowthMode::Classic, 1 << 30);
-    alloc
-        .create_or_incref_pool(pool, PoolOptions::default())
-        .unwrap();
+    let (_dev, alloc) = setup_with_pool(GrowthMode::Classic, pool);
     let cp = alloc.checkpoint(pool).unwrap();
     let a = alloc.alloc_in(pool, 8 * KIB, 0).unwrap();
     let b = alloc.alloc_in(pool, 300 * KIB, 0).unwrap();
