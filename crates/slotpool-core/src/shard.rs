@@ -324,13 +324,25 @@ impl Shard {
         if !env.capture_underway
             && self.pending.is_empty()
             && self.deferred.is_empty()
-            && let Some(i) = self.quick.iter().rposition(|&(size, _)| size == rounded)
+            && let Some(hit) = self.quick_hit(env, rounded, requested)
         {
-            let (_, id) = self.quick.swap_remove(i);
-            self.quick_credit = (self.quick_credit + 2).min(QUICK_CREDIT_MAX);
-            return Ok(self.take_cached(env, id, requested));
+            return Ok(hit);
         }
         self.alloc_uncached(env, rounded, requested)
+    }
+
+    /// Hand out the cached block of exactly `rounded` bytes, if the quick cache has one.
+    #[inline]
+    fn quick_hit(
+        &mut self,
+        env: &Env<'_>,
+        rounded: u64,
+        requested: u64,
+    ) -> Option<(BlockId, DevicePtr)> {
+        let i = self.quick.iter().rposition(|&(size, _)| size == rounded)?;
+        let (_, id) = self.quick.swap_remove(i);
+        self.quick_credit = (self.quick_credit + 2).min(QUICK_CREDIT_MAX);
+        Some(self.take_cached(env, id, requested))
     }
 
     /// [`Shard::alloc`] past a quick-cache hit.
@@ -345,10 +357,8 @@ impl Shard {
             self.process_events(env);
         }
         if !self.quick.is_empty() && !env.capture_underway {
-            if let Some(i) = self.quick.iter().rposition(|&(size, _)| size == rounded) {
-                let (_, id) = self.quick.swap_remove(i);
-                self.quick_credit = (self.quick_credit + 2).min(QUICK_CREDIT_MAX);
-                return Ok(self.take_cached(env, id, requested));
+            if let Some(hit) = self.quick_hit(env, rounded, requested) {
+                return Ok(hit);
             }
             self.quick_credit -= 1;
             // A miss merges the oldest cached block back: sizes that do not recur leave the
