@@ -7,9 +7,10 @@ use std::sync::{Mutex, MutexGuard, Once, PoisonError};
 
 use slotpool::*;
 
-/// Devices of the main test binary: 0 shared by every test, 1 for multi-device tests, 2 for
-/// tests that need the device-wide state to themselves (statistics, routes, snapshot), 3 for
-/// memory-limit tests. Tests on 2 and 3 hold [`exclusive`].
+/// Devices of the main test binary: 0 shared by every test, 1 for multi-device tests (one of
+/// which checks the allocator's invariants, so they need it to themselves), 2 for tests that
+/// need the device-wide state to themselves (statistics, routes, snapshot), 3 for memory-limit
+/// tests. Tests on 1, 2 and 3 hold [`exclusive`]; a test holding two takes QUIET before SECOND.
 pub const SHARED: i32 = 0;
 pub const SECOND: i32 = 1;
 pub const QUIET: i32 = 2;
