@@ -889,8 +889,6 @@ impl Shard {
                 ));
             }
         }
-        diff.added.extend_from_slice(&plan.freed);
-        diff.removed.extend_from_slice(&plan.created);
         plan
     }
 

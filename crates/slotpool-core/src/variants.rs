@@ -166,6 +166,13 @@ impl<D: Device> Allocator<D> {
             plans.push(shard.plan_restore(mark, &keep, &mut diff));
         }
         if !diff.mismatches.is_empty() {
+            // Only a refusal reports the lists: copying them on every restore cost ~5%.
+            for plan in &plans {
+                diff.added.extend_from_slice(&plan.freed);
+                diff.removed.extend_from_slice(&plan.created);
+            }
+            diff.added.sort_unstable();
+            diff.removed.sort_unstable();
             return Err(AllocError::CheckpointMismatch(Box::new(diff)));
         }
         for ((cell, shard), plan) in cells.iter().zip(guards.iter_mut()).zip(&plans) {
@@ -175,7 +182,11 @@ impl<D: Device> Allocator<D> {
                 other => crate::allocator::shard_error(other),
             })?;
         }
-        let mut delta = RestoreDelta::default();
+        let plans_len = plans.len();
+        let mut delta = RestoreDelta {
+            freed: Vec::with_capacity(plans.iter().map(|p| p.freed.len()).sum()),
+            created: Vec::with_capacity(plans.iter().map(|p| p.created.len()).sum()),
+        };
         for ((cell, shard), plan) in cells.iter().zip(guards.iter_mut()).zip(plans) {
             let env = self.env(&cell.pool_budget);
             delta.freed.extend_from_slice(&plan.freed);
@@ -183,8 +194,11 @@ impl<D: Device> Allocator<D> {
             shard.restore_apply(&env, plan);
         }
         drop(guards);
-        delta.freed.sort_unstable();
-        delta.created.sort_unstable();
+        // Each shard's lists are in address order already.
+        if plans_len > 1 {
+            delta.freed.sort_unstable();
+            delta.created.sort_unstable();
+        }
         Ok(delta)
     }
 
