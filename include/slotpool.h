@@ -420,9 +420,10 @@ sp_status sp_pool_drain_pending_frees(int device, sp_pool_id id, size_t* left);
 /** Records device's allocator events (alloc, free_requested, free_completed, segment_alloc,
  *  segment_free, segment_map, segment_unmap, oom; PyTorch's trace actions and meanings) into a
  *  ring of max_entries, oldest dropped first. 0 stops recording; recorded entries stay until
- *  sp_clear_history. They appear in sp_snapshot_json's device_traces. */
+ *  sp_clear_history. They appear in sp_snapshot_json's device_traces. device -1: every device,
+ *  including devices first used later (no device is initialised by this call). */
 sp_status sp_record_history(int device, size_t max_entries);
-/** Forgets device's recorded history. */
+/** Forgets device's recorded history (-1: every device). */
 sp_status sp_clear_history(int device);
 
 /** Checks every invariant of device's allocator: SP_ERR_INVALID_STATE names the first broken

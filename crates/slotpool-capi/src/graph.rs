@@ -521,19 +521,32 @@ pub extern "C" fn sp_check_invariants(device: c_int) -> sp_status {
 
 /// Records `device`'s allocator events into a ring of `max_entries` (0 stops recording; the
 /// entries stay until `sp_clear_history`). They appear in `sp_snapshot_json`'s `device_traces`.
+/// `device` -1: every device, including those first used later (as PyTorch's
+/// `_record_memory_history` does, without creating an allocator for a device nobody uses).
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_record_history(device: c_int, max_entries: usize) -> sp_status {
     ffi(|| {
-        each!(runtime()?.device(device)?, a => a.record_history(max_entries));
+        let rt = runtime()?;
+        if device == -1 {
+            rt.record_history_all(max_entries);
+        } else {
+            each!(rt.device(device)?, a => a.record_history(max_entries));
+        }
         Ok(())
     })
 }
 
-/// Forgets `device`'s recorded history.
+/// Forgets `device`'s recorded history (-1: every device).
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_clear_history(device: c_int) -> sp_status {
     ffi(|| {
-        each!(runtime()?.device(device)?, a => a.clear_history());
+        let rt = runtime()?;
+        if device == -1 {
+            rt.created()
+                .for_each(|(_, d)| each!(d, a => a.clear_history()));
+        } else {
+            each!(rt.device(device)?, a => a.clear_history());
+        }
         Ok(())
     })
 }

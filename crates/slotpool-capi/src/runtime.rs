@@ -283,8 +283,10 @@ pub struct Runtime {
     pub config: Config,
     pub sim: SimOptions,
     slots: Box<[OnceLock<DevAlloc>]>,
-    /// Serialises the creation of device allocators.
-    create: Mutex<()>,
+    /// Serialises the creation of device allocators; holds the history ring size that
+    /// `sp_record_history(-1, n)` set for every device, applied to allocators created later (0:
+    /// not recording).
+    create: Mutex<usize>,
     /// The device opened while probing for CUDA, handed to device 0's allocator.
     cuda0: Mutex<Option<CudaDevice>>,
 }
@@ -308,7 +310,7 @@ impl Runtime {
             config,
             sim,
             slots: (0..count).map(|_| OnceLock::new()).collect(),
-            create: Mutex::new(()),
+            create: Mutex::new(0),
             cuda0: Mutex::new(cuda0),
         })
     }
@@ -356,9 +358,19 @@ impl Runtime {
             .filter_map(|(i, s)| s.get().map(|d| (i, d)))
     }
 
+    /// Record the history of every device, present and future, into rings of `max_entries`
+    /// (0 stops recording).
+    pub fn record_history_all(&self, max_entries: usize) {
+        let mut history = self.create.lock().unwrap_or_else(PoisonError::into_inner);
+        *history = max_entries;
+        for (_, d) in self.created() {
+            each!(d, a => a.record_history(max_entries));
+        }
+    }
+
     #[cold]
     fn create_device(&self, i: usize) -> Result<&DevAlloc> {
-        let _guard = self.create.lock().unwrap_or_else(PoisonError::into_inner);
+        let history = self.create.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(d) = self.slots[i].get() {
             return Ok(d);
         }
@@ -404,6 +416,9 @@ impl Runtime {
                 DevAlloc::Cuda(Allocator::new(Arc::new(dev), config))
             }
         };
+        if *history > 0 {
+            each!(&alloc, a => a.record_history(*history));
+        }
         tracing::debug!(
             device = i,
             backend = self.kind.name(),

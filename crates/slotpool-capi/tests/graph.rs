@@ -239,16 +239,7 @@ fn history_appears_in_the_snapshot() {
     ok(unsafe { sp_alloc(SHARED, 3000, 0, &mut p) });
     ok(sp_free(p));
     ok(sp_record_history(SHARED, 0));
-    let (mut json, mut len) = (null_mut(), 0usize);
-    // SAFETY: valid out-pointers.
-    ok(unsafe { sp_snapshot_json(SHARED, &mut json, &mut len) });
-    // SAFETY: a NUL-terminated string from slotpool, freed below.
-    let text = unsafe { std::ffi::CStr::from_ptr(json) }
-        .to_string_lossy()
-        .into_owned();
-    // SAFETY: the string came from sp_snapshot_json.
-    ok(unsafe { sp_string_free(json) });
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let v = snapshot(SHARED);
     let trace = v["device_traces"][SHARED as usize].as_array().unwrap();
     let addr = p as u64;
     let actions: Vec<&str> = trace
@@ -260,7 +251,7 @@ fn history_appears_in_the_snapshot() {
     assert_eq!(
         actions,
         ["alloc", "free_requested", "free_completed"],
-        "{text}"
+        "{v}"
     );
     let alloc = trace
         .iter()
@@ -269,6 +260,55 @@ fn history_appears_in_the_snapshot() {
     assert_eq!(alloc["size"], 3000);
     ok(sp_clear_history(SHARED));
     expect(sp_record_history(99, 1), sp_status::SP_ERR_INVALID_ARGUMENT);
+}
+
+/// This thread's snapshot of `device` as JSON.
+fn snapshot(device: i32) -> serde_json::Value {
+    let (mut json, mut len) = (null_mut(), 0usize);
+    // SAFETY: valid out-pointers.
+    ok(unsafe { sp_snapshot_json(device, &mut json, &mut len) });
+    // SAFETY: a NUL-terminated string from slotpool, freed below.
+    let text = unsafe { std::ffi::CStr::from_ptr(json) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: the string came from sp_snapshot_json.
+    ok(unsafe { sp_string_free(json) });
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn history_of_every_device_reaches_a_device_used_later() {
+    // History is observable only through snapshots; the other history test reads SHARED's.
+    let _quiet = exclusive(SHARED);
+    // No other test of this binary uses LIMITED: its allocator is created below, after the call.
+    let d = LIMITED;
+    ok(sp_record_history(-1, 16));
+    let p = alloc(d, 5000, 0);
+    ok(sp_free(p));
+    let count = |v: &serde_json::Value, action: &str| {
+        v["device_traces"][d as usize]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["action"] == action && e["addr"] == p as u64)
+            .count()
+    };
+    let v = snapshot(d);
+    assert_eq!(
+        (count(&v, "alloc"), count(&v, "free_requested")),
+        (1, 1),
+        "{v}"
+    );
+    ok(sp_record_history(-1, 0));
+    let q = alloc(d, 5000, 0);
+    ok(sp_free(q));
+    let v = snapshot(d);
+    assert_eq!(count(&v, "alloc"), 1, "recording stopped: {v}");
+    ok(sp_clear_history(-1));
+    let v = snapshot(-1);
+    for trace in v["device_traces"].as_array().unwrap() {
+        assert_eq!(trace.as_array().unwrap().len(), 0, "{v}");
+    }
 }
 
 #[test]
