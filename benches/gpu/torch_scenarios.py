@@ -216,9 +216,27 @@ def c_api(alloc, arg):
         del t
 
     def record_history():
+        # _record_memory_history -> _snapshot()["device_traces"] -> memory_viz, as users debug OOMs.
+        from torch.cuda import _memory_viz
         torch.cuda.memory._record_memory_history(max_entries=1000)
-        torch.empty(10, device=dev)
-        torch.cuda.memory._record_memory_history(enabled=None)
+        try:
+            t = torch.empty(3 * MiB, dtype=torch.uint8, device=dev)
+            addr = t.data_ptr()
+            del t
+            s = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        trace = s["device_traces"][torch.cuda.current_device()]
+        mine = [e for e in trace if e["addr"] == addr]
+        acts = [e["action"] for e in mine]
+        assert "alloc" in acts and "free_requested" in acts, f"{len(trace)} entries; at the tensor: {acts}"
+        assert acts.index("alloc") < acts.index("free_requested"), acts
+        a = mine[acts.index("alloc")]
+        assert a["size"] == 3 * MiB, a
+        assert abs(a["time_us"] / 1e6 - time.time()) < 600, f"time_us {a['time_us']} is not wall-clock microseconds"
+        text = _memory_viz.trace(s)
+        assert f"Device {torch.cuda.current_device()} ---" in text and "del " in text, text[:300]
+        torch.cuda.memory._record_memory_history(enabled=None, clear_history=True)
 
     def oom():
         seen = []

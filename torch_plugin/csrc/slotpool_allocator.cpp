@@ -676,9 +676,41 @@ void SlotpoolAllocator::resetPeakStats(c10::DeviceIndex device) {
 
 // ---- snapshot ----
 
+// The recorded history (sp_record_history) as PyTorch's trace entries, less recordHistory's
+// skip_actions. PyTorch's Python side reads time_.t_ as microseconds (its own allocator converts
+// its approximate clock before returning); slotpool records microseconds already. Entries carry no
+// stack (context_ is null), which PyTorch's snapshot and memory_viz accept.
+void SlotpoolAllocator::append_traces(const json::Value& snap, CCA::SnapshotInfo& info) {
+  const json::Value* traces = snap.get("device_traces");
+  if (traces == nullptr || traces->type != json::Value::Type::Array) {
+    return;
+  }
+  std::vector<std::string> skip;
+  {
+    std::lock_guard<std::mutex> lk(history_mu_);
+    skip = history_skip_;
+  }
+  if (info.device_traces.size() < traces->arr.size()) {
+    info.device_traces.resize(traces->arr.size());
+  }
+  for (size_t device = 0; device < traces->arr.size(); ++device) {
+    auto& out = info.device_traces[device];
+    for (const auto& e : traces->arr[device].arr) {
+      std::string action = e.str("action");
+      if (std::find(skip.begin(), skip.end(), action) != skip.end()) {
+        continue;
+      }
+      out.emplace_back(c10::CachingDeviceAllocator::parseTraceEntryAction(action),
+                       static_cast<c10::DeviceIndex>(device), static_cast<size_t>(e.u64("addr")),
+                       static_cast<size_t>(e.u64("size")), reinterpret_cast<void*>(e.u64("stream")),
+                       MempoolId_t{0, 0}, c10::approx_time_t{0});
+      out.back().time_.t_ = static_cast<time_t>(e.u64("time_us"));
+    }
+  }
+}
+
 CCA::SnapshotInfo SlotpoolAllocator::snapshot(MempoolId_t mempool_id, bool include_traces) {
   ensure_initialized();
-  (void)include_traces;  // no trace ring yet: device_traces are empty lists
   CCA::SnapshotInfo info;
   json::Value snap = snapshot_json(-1);
   bool filter = mempool_id.first != 0 || mempool_id.second != 0;
@@ -745,6 +777,9 @@ CCA::SnapshotInfo SlotpoolAllocator::snapshot(MempoolId_t mempool_id, bool inclu
   std::sort(info.segments.begin(), info.segments.end(),
             [](const auto& x, const auto& y) { return x.address < y.address; });
   info.device_traces.resize(static_cast<size_t>(max_device + 1));
+  if (include_traces) {
+    append_traces(snap, info);
+  }
   CCA::AllocatorConfigInfo& cfg = info.config_metadata;
   cfg.garbage_collection_threshold = 0.0;
   sp_memory_stats s{};
@@ -1091,19 +1126,28 @@ bool SlotpoolAllocator::isHistoryEnabled() {
   return history_enabled_.load();
 }
 
+// torch.cuda.memory._record_memory_history: slotpool records every device's events (alloc,
+// free_requested, free_completed, segment_*, oom) into a ring of alloc_trace_max_entries, and
+// snapshot() hands them to PyTorch as device_traces. Stacks are not recorded: context_recorder is
+// not called, and entries have no frames.
 void SlotpoolAllocator::recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
                                       size_t alloc_trace_max_entries, CCA::RecordContext when,
                                       bool clearHistory,
                                       const std::vector<std::string>& skip_actions) {
-  (void)context_recorder;
-  (void)alloc_trace_max_entries;
-  (void)when;
-  (void)clearHistory;
-  (void)skip_actions;
-  if (enabled) {
+  ensure_initialized();
+  if (clearHistory) {
+    check(sp_clear_history(-1), "sp_clear_history");
+  }
+  size_t entries = enabled ? std::max<size_t>(alloc_trace_max_entries, 1) : 0;
+  check(sp_record_history(-1, entries), "sp_record_history");
+  {
+    std::lock_guard<std::mutex> lk(history_mu_);
+    history_skip_ = skip_actions;
+  }
+  if (enabled && context_recorder != nullptr && when != CCA::RecordContext::NEVER) {
     TORCH_WARN_ONCE(
-        "slotpool: memory history is accepted but not recorded yet; "
-        "torch.cuda.memory._snapshot() has segments but empty device_traces.");
+        "slotpool: memory history records allocator events without stacks; the snapshot's trace "
+        "entries and blocks have no frames.");
   }
   history_enabled_.store(enabled);
 }
@@ -1114,7 +1158,7 @@ void SlotpoolAllocator::attachOutOfMemoryObserver(CCA::OutOfMemoryObserver obser
 }
 
 void SlotpoolAllocator::attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) {
-  // Kept, never called: slotpool records no trace entries yet.
+  // Kept, never called: slotpool's trace entries reach PyTorch only through snapshot().
   std::lock_guard<std::mutex> lk(observers_mu_);
   trace_trackers_.push_back(std::move(tracker));
 }

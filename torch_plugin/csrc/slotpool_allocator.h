@@ -62,6 +62,10 @@
 
 namespace slotpool_torch {
 
+namespace json {
+struct Value;
+}
+
 namespace CCA = c10::cuda::CUDACachingAllocator;
 using c10::MempoolId_t;
 
@@ -228,6 +232,7 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   sp_pool_id route_for(c10::DeviceIndex device, cudaStream_t stream);
   bool consume_orphan(void* ptr);
   void check_device(c10::DeviceIndex device) const;
+  void append_traces(const json::Value& snap, CCA::SnapshotInfo& info);
 
   std::optional<std::string> backend_;
   std::optional<std::string> conf_;
@@ -237,6 +242,8 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   std::atomic<int> device_count_{0};
   std::atomic<bool> enabled_{true};
   std::atomic<bool> history_enabled_{false};
+  std::mutex history_mu_;
+  std::vector<std::string> history_skip_;  // recordHistory's skip_actions, applied by snapshot()
 
   struct DeviceRoutes {
     std::shared_mutex mu;
@@ -269,7 +276,7 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
 
   std::mutex observers_mu_;
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
-  std::vector<CCA::AllocatorTraceTracker> trace_trackers_;
+  std::vector<CCA::AllocatorTraceTracker> trace_trackers_;  // kept, never called (docs/torch.md)
 };
 
 // The deleter of every DataPtr the allocator hands out (raw_deleter()).
