@@ -233,6 +233,8 @@ def c_api(alloc, arg):
         assert acts.index("alloc") < acts.index("free_requested"), acts
         a = mine[acts.index("alloc")]
         assert a["size"] == 3 * MiB, a
+        assert any("torch_scenarios" in f.get("filename", "") for f in a.get("frames", [])), \
+            f"the alloc entry's stack lacks this script: {a.get('frames', [])[:3]}"
         assert abs(a["time_us"] / 1e6 - time.time()) < 600, f"time_us {a['time_us']} is not wall-clock microseconds"
         text = _memory_viz.trace(s)
         assert f"Device {torch.cuda.current_device()} ---" in text and "del " in text, text[:300]

@@ -307,6 +307,9 @@ void* SlotpoolAllocator::malloc_impl(c10::DeviceIndex device, size_t nbytes, cud
     st = sp_alloc(device, nbytes, reinterpret_cast<uint64_t>(stream), &p);
   }
   if (C10_LIKELY(st == SP_OK)) {
+    if (C10_UNLIKELY(history_hooks())) {
+      note_alloc(device, p);
+    }
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
       sp_memory_stats s{};
       if (sp_memory_stats_get(device, &s) == SP_OK) {
@@ -490,6 +493,9 @@ void SlotpoolAllocator::free_ptr(void* ptr, bool throw_on_error) {
             c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(dev)));
       }
     }
+  }
+  if (C10_UNLIKELY(history_hooks())) {
+    note_free(ptr);
   }
   sp_status st = sp_free(ptr);
   if (C10_LIKELY(st == SP_OK)) {
@@ -677,35 +683,55 @@ void SlotpoolAllocator::resetPeakStats(c10::DeviceIndex device) {
 // ---- snapshot ----
 
 // The recorded history (sp_record_history) as PyTorch's trace entries, less recordHistory's
-// skip_actions. PyTorch's Python side reads time_.t_ as microseconds (its own allocator converts
-// its approximate clock before returning); slotpool records microseconds already. Entries carry no
-// stack (context_ is null), which PyTorch's snapshot and memory_viz accept.
+// skip_actions, with the stacks the shim gathered. PyTorch's Python side reads time_.t_ as
+// microseconds (its own allocator converts its approximate clock before returning); slotpool
+// records microseconds already.
 void SlotpoolAllocator::append_traces(const json::Value& snap, CCA::SnapshotInfo& info) {
   const json::Value* traces = snap.get("device_traces");
   if (traces == nullptr || traces->type != json::Value::Type::Array) {
     return;
   }
   std::vector<std::string> skip;
+  // The gathered stacks of each (device, action, address), oldest first.
+  std::map<std::tuple<int, int, uint64_t>, std::vector<std::shared_ptr<c10::GatheredContext>>> stacks;
   {
     std::lock_guard<std::mutex> lk(history_mu_);
     skip = history_skip_;
+    for (const auto& t : trace_stacks_) {
+      stacks[{t.device, static_cast<int>(t.action), t.addr}].push_back(t.ctx);
+    }
   }
   if (info.device_traces.size() < traces->arr.size()) {
     info.device_traces.resize(traces->arr.size());
   }
   for (size_t device = 0; device < traces->arr.size(); ++device) {
     auto& out = info.device_traces[device];
-    for (const auto& e : traces->arr[device].arr) {
-      std::string action = e.str("action");
+    const auto& entries = traces->arr[device].arr;
+    // Newest first, so that the k-th newest entry of a key gets the k-th newest stack.
+    std::vector<CCA::TraceEntry> rev;
+    std::map<std::tuple<int, int, uint64_t>, size_t> seen;
+    for (auto e = entries.rbegin(); e != entries.rend(); ++e) {
+      std::string action = e->str("action");
+      auto a = c10::CachingDeviceAllocator::parseTraceEntryAction(action);
+      uint64_t addr = e->u64("addr");
+      std::shared_ptr<c10::GatheredContext> ctx;
+      std::tuple<int, int, uint64_t> key{static_cast<int>(device), static_cast<int>(a), addr};
+      if (auto it = stacks.find(key); it != stacks.end()) {
+        size_t k = seen[key]++;
+        if (k < it->second.size()) {
+          ctx = it->second[it->second.size() - 1 - k];
+        }
+      }
       if (std::find(skip.begin(), skip.end(), action) != skip.end()) {
         continue;
       }
-      out.emplace_back(c10::CachingDeviceAllocator::parseTraceEntryAction(action),
-                       static_cast<c10::DeviceIndex>(device), static_cast<size_t>(e.u64("addr")),
-                       static_cast<size_t>(e.u64("size")), reinterpret_cast<void*>(e.u64("stream")),
-                       MempoolId_t{0, 0}, c10::approx_time_t{0});
-      out.back().time_.t_ = static_cast<time_t>(e.u64("time_us"));
+      rev.emplace_back(a, static_cast<c10::DeviceIndex>(device), static_cast<size_t>(addr),
+                       static_cast<size_t>(e->u64("size")),
+                       reinterpret_cast<void*>(e->u64("stream")), MempoolId_t{0, 0},
+                       c10::approx_time_t{0}, std::move(ctx));
+      rev.back().time_.t_ = static_cast<time_t>(e->u64("time_us"));
     }
+    out.insert(out.end(), std::make_move_iterator(rev.rbegin()), std::make_move_iterator(rev.rend()));
   }
 }
 
@@ -713,6 +739,11 @@ CCA::SnapshotInfo SlotpoolAllocator::snapshot(MempoolId_t mempool_id, bool inclu
   ensure_initialized();
   CCA::SnapshotInfo info;
   json::Value snap = snapshot_json(-1);
+  decltype(block_stacks_) stacks;
+  {
+    std::lock_guard<std::mutex> lk(history_mu_);
+    stacks = block_stacks_;
+  }
   bool filter = mempool_id.first != 0 || mempool_id.second != 0;
   sp_pool_id want = to_sp(mempool_id);
   int max_device = std::max(device_count_.load(), 1) - 1;
@@ -761,6 +792,11 @@ CCA::SnapshotInfo SlotpoolAllocator::snapshot(MempoolId_t mempool_id, bool inclu
         std::string state = b.str("state");
         bi.allocated = state == "active_allocated";
         bi.active = state != "inactive";
+        if (bi.allocated && !stacks.empty()) {
+          if (auto it = stacks.find(addr); it != stacks.end()) {
+            bi.context_when_allocated = it->second.second;
+          }
+        }
         cur.total_size += bi.size;
         if (bi.allocated) {
           cur.allocated_size += bi.size;
@@ -1128,28 +1164,101 @@ bool SlotpoolAllocator::isHistoryEnabled() {
 
 // torch.cuda.memory._record_memory_history: slotpool records every device's events (alloc,
 // free_requested, free_completed, segment_*, oom) into a ring of alloc_trace_max_entries, and
-// snapshot() hands them to PyTorch as device_traces. Stacks are not recorded: context_recorder is
-// not called, and entries have no frames.
+// snapshot() hands them to PyTorch as device_traces. The shim calls context_recorder for the
+// stacks, at PyTorch's levels (see note_alloc).
 void SlotpoolAllocator::recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
                                       size_t alloc_trace_max_entries, CCA::RecordContext when,
                                       bool clearHistory,
                                       const std::vector<std::string>& skip_actions) {
   ensure_initialized();
-  if (clearHistory) {
-    check(sp_clear_history(-1), "sp_clear_history");
-  }
   size_t entries = enabled ? std::max<size_t>(alloc_trace_max_entries, 1) : 0;
-  check(sp_record_history(-1, entries), "sp_record_history");
   {
     std::lock_guard<std::mutex> lk(history_mu_);
+    if (clearHistory) {
+      check(sp_clear_history(-1), "sp_clear_history");
+      trace_stacks_.clear();
+    }
+    check(sp_record_history(-1, entries), "sp_record_history");
     history_skip_ = skip_actions;
-  }
-  if (enabled && context_recorder != nullptr && when != CCA::RecordContext::NEVER) {
-    TORCH_WARN_ONCE(
-        "slotpool: memory history records allocator events without stacks; the snapshot's trace "
-        "entries and blocks have no frames.");
+    bool stacks = enabled && context_recorder != nullptr;
+    history_recorder_ = stacks ? context_recorder : nullptr;
+    if (enabled) {
+      history_max_ = entries;
+      while (trace_stacks_.size() > history_max_) {
+        trace_stacks_.pop_front();
+      }
+    }
+    gather_when_.store(stacks ? static_cast<int>(when) : 0, std::memory_order_relaxed);
   }
   history_enabled_.store(enabled);
+}
+
+std::shared_ptr<c10::GatheredContext> SlotpoolAllocator::gather(CCA::RecordContext at_least) {
+  if (gather_when_.load(std::memory_order_relaxed) < static_cast<int>(at_least)) {
+    return nullptr;
+  }
+  CCA::CreateContextFn recorder = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(history_mu_);
+    recorder = history_recorder_;
+  }
+  // Outside the lock: PyTorch's recorder takes the GIL to read the Python stack.
+  return recorder != nullptr ? recorder() : nullptr;
+}
+
+void SlotpoolAllocator::push_trace_stack_locked(TracedStack e) {
+  trace_stacks_.push_back(std::move(e));
+  while (trace_stacks_.size() > history_max_) {
+    trace_stacks_.pop_front();
+  }
+}
+
+// PyTorch's levels: STATE keeps live blocks' stacks, ALLOC also the alloc trace entries', ALL
+// also the free entries'.
+void SlotpoolAllocator::note_alloc(c10::DeviceIndex device, void* p) {
+  auto ctx = gather(CCA::RecordContext::STATE);
+  bool traced = gather_when_.load(std::memory_order_relaxed) >=
+                static_cast<int>(CCA::RecordContext::ALLOC);
+  uint64_t addr = reinterpret_cast<uint64_t>(p);
+  std::lock_guard<std::mutex> lk(history_mu_);
+  if (ctx == nullptr) {
+    // A stack left by a block that went without free_ptr (a restore took it) is not this one's.
+    block_stacks_.erase(addr);
+  } else {
+    block_stacks_[addr] = {static_cast<int>(device), ctx};
+    if (traced) {
+      push_trace_stack_locked({static_cast<int>(device), CCA::TraceEntry::ALLOC, addr, ctx});
+    }
+  }
+  n_block_stacks_.store(block_stacks_.size(), std::memory_order_relaxed);
+}
+
+void SlotpoolAllocator::note_free(void* p) {
+  uint64_t addr = reinterpret_cast<uint64_t>(p);
+  auto ctx = gather(CCA::RecordContext::ALL);
+  int device = -1;
+  {
+    std::lock_guard<std::mutex> lk(history_mu_);
+    auto it = block_stacks_.find(addr);
+    if (it != block_stacks_.end()) {
+      device = it->second.first;
+      block_stacks_.erase(it);
+      n_block_stacks_.store(block_stacks_.size(), std::memory_order_relaxed);
+    }
+  }
+  if (ctx == nullptr) {
+    return;
+  }
+  if (device < 0) {  // allocated before stacks were gathered
+    void* base = nullptr;
+    size_t size = 0;
+    size_t requested = 0;
+    if (sp_allocation_info(p, &base, &size, &requested, &device) != SP_OK) {
+      return;  // not ours: sp_free refuses it and records nothing
+    }
+  }
+  std::lock_guard<std::mutex> lk(history_mu_);
+  push_trace_stack_locked({device, CCA::TraceEntry::FREE_REQUESTED, addr, std::move(ctx)});
 }
 
 void SlotpoolAllocator::attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) {

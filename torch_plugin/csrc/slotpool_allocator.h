@@ -44,6 +44,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -204,6 +205,8 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   // Frees ptr (the deleter's path). Orphans are consumed first; throw_on_error: raw_delete's
   // semantics (throw), else a warning (deleters must not throw).
   void free_ptr(void* ptr, bool throw_on_error);
+  // The allocation behind allocate / raw_alloc, on a given device and stream.
+  void* malloc_impl(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
   // Record restore-freed pointers as orphans; free re-created ones if asked.
   RestoreResult absorb_delta(int device, sp_pool_id pool, sp_restore_delta* delta,
                              bool free_created);
@@ -227,7 +230,6 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   int device_count() const { return device_count_.load(); }
 
  private:
-  void* malloc_impl(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
   [[noreturn]] void throw_oom(c10::DeviceIndex device, size_t nbytes, const std::string& msg);
   sp_pool_id route_for(c10::DeviceIndex device, cudaStream_t stream);
   bool consume_orphan(void* ptr);
@@ -242,8 +244,37 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   std::atomic<int> device_count_{0};
   std::atomic<bool> enabled_{true};
   std::atomic<bool> history_enabled_{false};
-  std::mutex history_mu_;
+
+  // Stacks for the memory history (recordHistory's context_recorder). slotpool records the trace
+  // entries; the shim gathers the stacks, as PyTorch's allocator does, and snapshot() joins them:
+  // a live block's stack by its address, a trace entry's by (device, action, address), counting
+  // from the newest, because both records drop their oldest entries first.
+  void note_alloc(c10::DeviceIndex device, void* p);
+  void note_free(void* p);
+  std::shared_ptr<c10::GatheredContext> gather(CCA::RecordContext at_least);
+  struct TracedStack {
+    int device;
+    CCA::TraceEntry::Action action;
+    uint64_t addr;
+    std::shared_ptr<c10::GatheredContext> ctx;
+  };
+  void push_trace_stack_locked(TracedStack e);
+  // What recordHistory asked: 0 (NEVER) while no stacks are gathered, else a RecordContext.
+  std::atomic<int> gather_when_{0};
+  // block_stacks_.size(), read without the lock: while stacks are kept, allocations and frees
+  // keep them current even after recording stopped.
+  std::atomic<size_t> n_block_stacks_{0};
+  bool history_hooks() const {
+    return gather_when_.load(std::memory_order_relaxed) != 0 ||
+           n_block_stacks_.load(std::memory_order_relaxed) != 0;
+  }
+  std::mutex history_mu_;  // never held while calling the recorder (it may take the GIL)
+  CCA::CreateContextFn history_recorder_ = nullptr;
+  size_t history_max_ = 0;
   std::vector<std::string> history_skip_;  // recordHistory's skip_actions, applied by snapshot()
+  // Live blocks' stacks by address (CUDA addresses are unique across devices): (device, stack).
+  std::unordered_map<uint64_t, std::pair<int, std::shared_ptr<c10::GatheredContext>>> block_stacks_;
+  std::deque<TracedStack> trace_stacks_;  // oldest first, at most history_max_
 
   struct DeviceRoutes {
     std::shared_mutex mu;

@@ -43,6 +43,48 @@ size_t count(const std::vector<c10::CachingDeviceAllocator::TraceEntry>& trace, 
   return n;
 }
 
+// A stand-in for PyTorch's CapturedTraceback: numbered in the order the recorder made them.
+struct FakeStack : c10::GatheredContext {
+  explicit FakeStack(int id) : id(id) {}
+  int id;
+};
+
+int stacks_made = 0;
+
+std::shared_ptr<c10::GatheredContext> fake_recorder() {
+  return std::make_shared<FakeStack>(++stacks_made);
+}
+
+int stack_id(const std::shared_ptr<c10::GatheredContext>& c) {
+  auto* f = dynamic_cast<FakeStack*>(c.get());
+  return f != nullptr ? f->id : 0;
+}
+
+// The stack of the k-th entry (oldest first) of `action` at `addr`, 0 if none, -1 if no entry.
+int entry_stack(const std::vector<c10::CachingDeviceAllocator::TraceEntry>& trace, Action a,
+                void* addr, size_t k) {
+  for (const auto& e : trace) {
+    if (e.action_ == a && e.addr_ == reinterpret_cast<size_t>(addr) && k-- == 0) {
+      return stack_id(e.context_);
+    }
+  }
+  return -1;
+}
+
+// The stack of the allocated block at `addr` in a snapshot, 0 if none, -1 if no such block.
+int block_stack(const c10::cuda::CUDACachingAllocator::SnapshotInfo& s, void* addr) {
+  for (const auto& seg : s.segments) {
+    size_t a = seg.address;
+    for (const auto& b : seg.blocks) {
+      if (a == reinterpret_cast<size_t>(addr) && b.allocated) {
+        return stack_id(b.context_when_allocated);
+      }
+      a += b.size;
+    }
+  }
+  return -1;
+}
+
 void* sp_alloc_or_die(size_t size) {
   void* p = nullptr;
   slotpool_torch::check(sp_alloc(0, size, 7, &p), "sp_alloc");
@@ -115,6 +157,45 @@ int main() {
   a.recordHistory(false, nullptr, 0, c10::CachingDeviceAllocator::RecordContext::NEVER, true, {});
   snap = a.snapshot({0, 0}, true);
   expect(snap.device_traces[0].empty() && snap.device_traces[1].empty(), "clearHistory forgets");
+
+  // Stacks (context_recorder), at PyTorch's levels. ALL: blocks, allocs and frees.
+  using RC = c10::CachingDeviceAllocator::RecordContext;
+  a.recordHistory(true, &fake_recorder, 100, RC::ALL, true, {});
+  auto* stream = reinterpret_cast<cudaStream_t>(7);
+  void* s1 = a.malloc_impl(0, 6000, stream);
+  snap = a.snapshot({0, 0}, true);
+  int alloc1 = entry_stack(snap.device_traces[0], Action::ALLOC, s1, 0);
+  expect(alloc1 > 0, "ALL: the alloc entry has a stack");
+  expect(block_stack(snap, s1) == alloc1, "ALL: the live block has the alloc's stack");
+  a.free_ptr(s1, true);
+  void* s2 = a.malloc_impl(0, 6000, stream);  // the cached block again
+  expect(s2 == s1, "the quick cache hands the same block back");
+  snap = a.snapshot({0, 0}, true);
+  int free1 = entry_stack(snap.device_traces[0], Action::FREE_REQUESTED, s1, 0);
+  int alloc2 = entry_stack(snap.device_traces[0], Action::ALLOC, s1, 1);
+  expect(free1 > alloc1 && alloc2 > free1, "ALL: free and second alloc have their own stacks");
+  expect(entry_stack(snap.device_traces[0], Action::ALLOC, s1, 0) == alloc1,
+         "the first alloc keeps its stack");
+  expect(block_stack(snap, s1) == alloc2, "the block has the newest alloc's stack");
+
+  // STATE: live blocks only; trace entries have none.
+  a.recordHistory(true, &fake_recorder, 100, RC::STATE, true, {});
+  void* s3 = a.malloc_impl(0, 9000, stream);
+  snap = a.snapshot({0, 0}, true);
+  expect(block_stack(snap, s3) > alloc2, "STATE: the block has a stack");
+  expect(entry_stack(snap.device_traces[0], Action::ALLOC, s3, 0) == 0,
+         "STATE: the alloc entry has none");
+
+  // Recording stopped: the stacks of live blocks stay until they are freed.
+  a.recordHistory(false, nullptr, 0, RC::NEVER, false, {});
+  snap = a.snapshot({0, 0}, false);
+  expect(block_stack(snap, s3) > 0, "a live block keeps its stack after recording stopped");
+  a.free_ptr(s3, true);
+  a.free_ptr(s2, true);
+  void* s4 = a.malloc_impl(0, 9000, stream);
+  snap = a.snapshot({0, 0}, false);
+  expect(s4 != s3 || block_stack(snap, s4) == 0, "a block allocated after stopping has none");
+  a.free_ptr(s4, true);
 
   if (failures == 0) {
     std::printf("host_check: all passed\n");
