@@ -1172,24 +1172,23 @@ void SlotpoolAllocator::recordHistory(bool enabled, CCA::CreateContextFn context
                                       const std::vector<std::string>& skip_actions) {
   ensure_initialized();
   size_t entries = enabled ? std::max<size_t>(alloc_trace_max_entries, 1) : 0;
-  {
-    std::lock_guard<std::mutex> lk(history_mu_);
-    if (clearHistory) {
-      check(sp_clear_history(-1), "sp_clear_history");
-      trace_stacks_.clear();
-    }
-    check(sp_record_history(-1, entries), "sp_record_history");
-    history_skip_ = skip_actions;
-    bool stacks = enabled && context_recorder != nullptr;
-    history_recorder_ = stacks ? context_recorder : nullptr;
-    if (enabled) {
-      history_max_ = entries;
-      while (trace_stacks_.size() > history_max_) {
-        trace_stacks_.pop_front();
-      }
-    }
-    gather_when_.store(stacks ? static_cast<int>(when) : 0, std::memory_order_relaxed);
+  std::vector<TracedStack> dropped;  // destroyed after the lock is released (see history_mu_)
+  std::lock_guard<std::mutex> lk(history_mu_);
+  if (clearHistory) {
+    check(sp_clear_history(-1), "sp_clear_history");
+    dropped.assign(std::make_move_iterator(trace_stacks_.begin()),
+                   std::make_move_iterator(trace_stacks_.end()));
+    trace_stacks_.clear();
   }
+  check(sp_record_history(-1, entries), "sp_record_history");
+  history_skip_ = skip_actions;
+  bool stacks = enabled && context_recorder != nullptr;
+  history_recorder_ = stacks ? context_recorder : nullptr;
+  if (enabled) {
+    history_max_ = entries;
+    trim_trace_stacks_locked(dropped);
+  }
+  gather_when_.store(stacks ? static_cast<int>(when) : 0, std::memory_order_relaxed);
   history_enabled_.store(enabled);
 }
 
@@ -1206,28 +1205,34 @@ std::shared_ptr<c10::GatheredContext> SlotpoolAllocator::gather(CCA::RecordConte
   return recorder != nullptr ? recorder() : nullptr;
 }
 
-void SlotpoolAllocator::push_trace_stack_locked(TracedStack e) {
-  trace_stacks_.push_back(std::move(e));
+void SlotpoolAllocator::trim_trace_stacks_locked(std::vector<TracedStack>& dropped) {
   while (trace_stacks_.size() > history_max_) {
+    dropped.push_back(std::move(trace_stacks_.front()));
     trace_stacks_.pop_front();
   }
 }
 
 // PyTorch's levels: STATE keeps live blocks' stacks, ALLOC also the alloc trace entries', ALL
-// also the free entries'.
+// also the free entries'. Stacks leave the maps into `dropped`, destroyed once history_mu_ is
+// released: destroying a Python stack takes the GIL, and snapshot() takes history_mu_ under it.
 void SlotpoolAllocator::note_alloc(c10::DeviceIndex device, void* p) {
   auto ctx = gather(CCA::RecordContext::STATE);
   bool traced = gather_when_.load(std::memory_order_relaxed) >=
                 static_cast<int>(CCA::RecordContext::ALLOC);
   uint64_t addr = reinterpret_cast<uint64_t>(p);
+  std::vector<TracedStack> dropped;
   std::lock_guard<std::mutex> lk(history_mu_);
-  if (ctx == nullptr) {
+  auto it = block_stacks_.find(addr);
+  if (it != block_stacks_.end()) {
     // A stack left by a block that went without free_ptr (a restore took it) is not this one's.
-    block_stacks_.erase(addr);
-  } else {
-    block_stacks_[addr] = {static_cast<int>(device), ctx};
+    dropped.push_back({it->second.first, CCA::TraceEntry::ALLOC, addr, std::move(it->second.second)});
+    block_stacks_.erase(it);
+  }
+  if (ctx != nullptr) {
+    block_stacks_.emplace(addr, std::make_pair(static_cast<int>(device), ctx));
     if (traced) {
-      push_trace_stack_locked({static_cast<int>(device), CCA::TraceEntry::ALLOC, addr, ctx});
+      trace_stacks_.push_back({static_cast<int>(device), CCA::TraceEntry::ALLOC, addr, ctx});
+      trim_trace_stacks_locked(dropped);
     }
   }
   n_block_stacks_.store(block_stacks_.size(), std::memory_order_relaxed);
@@ -1237,28 +1242,30 @@ void SlotpoolAllocator::note_free(void* p) {
   uint64_t addr = reinterpret_cast<uint64_t>(p);
   auto ctx = gather(CCA::RecordContext::ALL);
   int device = -1;
-  {
-    std::lock_guard<std::mutex> lk(history_mu_);
-    auto it = block_stacks_.find(addr);
-    if (it != block_stacks_.end()) {
-      device = it->second.first;
-      block_stacks_.erase(it);
-      n_block_stacks_.store(block_stacks_.size(), std::memory_order_relaxed);
-    }
+  std::vector<TracedStack> dropped;
+  std::unique_lock<std::mutex> lk(history_mu_);
+  auto it = block_stacks_.find(addr);
+  if (it != block_stacks_.end()) {
+    device = it->second.first;
+    dropped.push_back({device, CCA::TraceEntry::ALLOC, addr, std::move(it->second.second)});
+    block_stacks_.erase(it);
+    n_block_stacks_.store(block_stacks_.size(), std::memory_order_relaxed);
   }
   if (ctx == nullptr) {
     return;
   }
   if (device < 0) {  // allocated before stacks were gathered
+    lk.unlock();
     void* base = nullptr;
     size_t size = 0;
     size_t requested = 0;
     if (sp_allocation_info(p, &base, &size, &requested, &device) != SP_OK) {
       return;  // not ours: sp_free refuses it and records nothing
     }
+    lk.lock();
   }
-  std::lock_guard<std::mutex> lk(history_mu_);
-  push_trace_stack_locked({device, CCA::TraceEntry::FREE_REQUESTED, addr, std::move(ctx)});
+  trace_stacks_.push_back({device, CCA::TraceEntry::FREE_REQUESTED, addr, std::move(ctx)});
+  trim_trace_stacks_locked(dropped);
 }
 
 void SlotpoolAllocator::attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) {

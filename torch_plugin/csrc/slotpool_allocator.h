@@ -258,7 +258,7 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
     uint64_t addr;
     std::shared_ptr<c10::GatheredContext> ctx;
   };
-  void push_trace_stack_locked(TracedStack e);
+  void trim_trace_stacks_locked(std::vector<TracedStack>& dropped);
   // What recordHistory asked: 0 (NEVER) while no stacks are gathered, else a RecordContext.
   std::atomic<int> gather_when_{0};
   // block_stacks_.size(), read without the lock: while stacks are kept, allocations and frees
@@ -268,7 +268,9 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
     return gather_when_.load(std::memory_order_relaxed) != 0 ||
            n_block_stacks_.load(std::memory_order_relaxed) != 0;
   }
-  std::mutex history_mu_;  // never held while calling the recorder (it may take the GIL)
+  // Never held while calling the recorder or destroying a stack: both may take the GIL, and
+  // snapshot() takes this lock while its caller holds the GIL.
+  std::mutex history_mu_;
   CCA::CreateContextFn history_recorder_ = nullptr;
   size_t history_max_ = 0;
   std::vector<std::string> history_skip_;  // recordHistory's skip_actions, applied by snapshot()
