@@ -296,6 +296,13 @@ thread_local! {
     static HINT: Cell<usize> = const { Cell::new(0) };
 }
 
+/// This thread's [`HINT`]. Not inlined: in a shared library every thread-local costs a
+/// `__tls_get_addr` call, which the compiler hoisted above the one-device test when inlined.
+#[inline(never)]
+fn hint() -> usize {
+    HINT.try_with(Cell::get).unwrap_or(0)
+}
+
 impl Runtime {
     fn new(kind: BackendKind, config: Config, sim: SimOptions) -> Result<Runtime> {
         let (count, cuda0) = match kind {
@@ -436,11 +443,7 @@ impl Runtime {
         f: impl Fn(&DevAlloc) -> AllocResult<T>,
     ) -> Result<(usize, T)> {
         // One device (the common case): no thread-local hint to read.
-        let hint = if self.slots.len() == 1 {
-            0
-        } else {
-            HINT.try_with(Cell::get).unwrap_or(0)
-        };
+        let hint = if self.slots.len() == 1 { 0 } else { hint() };
         if let Some(d) = self.slots.get(hint).and_then(OnceLock::get) {
             match f(d) {
                 Ok(v) => return Ok((hint, v)),

@@ -161,7 +161,7 @@ impl From<&Stat> for sp_stat {
         sp_stat {
             current: s.current,
             peak: s.peak,
-            allocated: s.allocated,
+            allocated: s.allocated(),
             freed: s.freed,
         }
     }

