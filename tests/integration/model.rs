@@ -159,9 +159,9 @@ fn run_paged(growth: GrowthMode, page: Option<u64>, ops: &[Op]) {
     );
     assert_eq!(alloc.held_bytes(), 0);
     let st = alloc.stats();
-    assert_eq!(st.allocated_bytes.all.current, 0);
-    assert_eq!(st.active_bytes.all.current, 0);
-    assert_eq!(st.reserved_bytes.all.current, 0);
+    assert_eq!(st.allocated_bytes.all().current, 0);
+    assert_eq!(st.active_bytes.all().current, 0);
+    assert_eq!(st.reserved_bytes.all().current, 0);
 }
 
 proptest! {
@@ -287,7 +287,7 @@ fn run_checkpoints_paged(growth: GrowthMode, page: Option<u64>, ops: &[CpOp]) {
             }
             CpOp::Checkpoint => {
                 let pending =
-                    alloc.stats().active.all.current > alloc.stats().allocation.all.current;
+                    alloc.stats().active.all().current > alloc.stats().allocation.all().current;
                 match alloc.checkpoint(pool) {
                     Ok(c) => {
                         assert!(!pending, "checkpoint accepted with pending frees");

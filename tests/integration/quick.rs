@@ -22,8 +22,8 @@ fn a_freed_block_serves_the_next_request_of_its_size() {
         alloc.free(a).unwrap();
         checked(&alloc);
         let st = alloc.stats();
-        assert_eq!(st.allocated_bytes.all.current as u64, 64 * KIB);
-        assert_eq!(st.active.all.current, 1, "a cached block is not active");
+        assert_eq!(st.allocated_bytes.all().current as u64, 64 * KIB);
+        assert_eq!(st.active.all().current, 1, "a cached block is not active");
         let calls = (dev.calls(CallKind::Map), dev.calls(CallKind::AllocSegment));
         // Same rounded size: the same block comes back, with no device call.
         let b = alloc.alloc(300 * KIB - 100, 0).unwrap();
@@ -34,8 +34,8 @@ fn a_freed_block_serves_the_next_request_of_its_size() {
         );
         checked(&alloc);
         let st = alloc.stats();
-        assert_eq!(st.allocated_bytes.all.current as u64, 364 * KIB);
-        assert_eq!(st.requested_bytes.all.current as u64, 364 * KIB - 100);
+        assert_eq!(st.allocated_bytes.all().current as u64, 364 * KIB);
+        assert_eq!(st.requested_bytes.all().current as u64, 364 * KIB - 100);
         // A double free is still refused.
         alloc.free(b).unwrap();
         assert!(alloc.free(b).is_err());
@@ -118,7 +118,7 @@ fn empty_cache_and_snapshots_see_cached_blocks_as_free() {
         0,
         "a cached block kept memory through empty_cache"
     );
-    assert_eq!(alloc.stats().reserved_bytes.all.current, 0);
+    assert_eq!(alloc.stats().reserved_bytes.all().current, 0);
 }
 
 #[test]

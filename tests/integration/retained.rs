@@ -9,7 +9,7 @@ use crate::common::{MIB, check_all, setup, setup_with_pool};
 const POOL: PoolId = PoolId(0, 7);
 
 fn reserved(a: &Allocator<SimDevice>, pool: PoolId) -> u64 {
-    a.pool_stats(pool).unwrap().reserved_bytes.all.current as u64
+    a.pool_stats(pool).unwrap().reserved_bytes.all().current as u64
 }
 
 fn mapped(dev: &SimDevice, ptr: u64) -> bool {
@@ -124,7 +124,7 @@ fn graph_retained_but_reusable_memory_serves_the_next_capture_and_stays_mapped()
     assert_eq!(a.state_dump(), before, "a refused call changes nothing");
     assert_eq!(a.mark_reusable(out0).unwrap(), 16 * MIB);
     check_all(&dev, &a, &[]);
-    assert_eq!(a.pool_stats(POOL).unwrap().allocated_bytes.all.current, 0);
+    assert_eq!(a.pool_stats(POOL).unwrap().allocated_bytes.all().current, 0);
     // Graph 1 (the other variant) reuses those addresses instead of growing the pool.
     let reserved0 = reserved(&a, POOL);
     let out1 = capture(&dev, &a, 6, || a.alloc(16 * MIB, 6).unwrap());

@@ -135,7 +135,7 @@ fn restore_mismatches_change_nothing() {
     // Restoring an earlier checkpoint leaves later ones restorable (graph trees switch paths).
     // (Blocks and current statistics; the accumulated totals count what restores did.)
     let late = a.checkpoint(POOL).unwrap();
-    let state = |a: &Allocator<SimDevice>| (a.snapshot(), a.stats().allocated_bytes.all.current);
+    let state = |a: &Allocator<SimDevice>| (a.snapshot(), a.stats().allocated_bytes.all().current);
     let at_late = state(&a);
     let at_early = {
         a.restore(POOL, &cp, &[]).unwrap();
@@ -332,7 +332,7 @@ fn per_layer_pools_sharing_a_named_pool_reserve_less() {
         run_layer(&a, p, layer_sizes(i));
     }
     let separate = dev.peak_physical_bytes();
-    let separate_alloc = a.stats().allocated_bytes.all.current as u64;
+    let separate_alloc = a.stats().allocated_bytes.all().current as u64;
 
     let (dev, a) = accounting(GrowthMode::Vmm);
     let named = a.named_pool("layers", PoolOptions::default()).unwrap();
@@ -350,8 +350,11 @@ fn per_layer_pools_sharing_a_named_pool_reserve_less() {
         a.release_pool(named).unwrap();
     }
     let shared = dev.peak_physical_bytes();
-    let peak_alloc = a.pool_stats(named).unwrap().allocated_bytes.all.peak as u64;
-    assert_eq!(a.stats().allocated_bytes.all.current as u64, separate_alloc);
+    let peak_alloc = a.pool_stats(named).unwrap().allocated_bytes.all().peak as u64;
+    assert_eq!(
+        a.stats().allocated_bytes.all().current as u64,
+        separate_alloc
+    );
     assert!(shared < separate, "shared {shared} vs separate {separate}");
     assert!(
         shared as f64 <= peak_alloc as f64 * 1.05,
@@ -386,7 +389,7 @@ fn pools_route_by_thread_stream_and_capture() {
     let x = a.alloc(MIB, 6).unwrap();
     let y = a.alloc(MIB, 7).unwrap();
     assert_eq!(
-        a.pool_stats(p3).unwrap().allocated_bytes.all.current as u64,
+        a.pool_stats(p3).unwrap().allocated_bytes.all().current as u64,
         MIB
     );
     // A free during capture of a block used on another stream is deferred, with no event calls.
@@ -553,19 +556,19 @@ fn device_wide_peaks_are_exact_across_streams() {
             a.empty_cache();
         }
         let st = a.stats();
-        assert_eq!(st.allocated_bytes.all.peak as u64, 64 * MIB, "{growth:?}");
+        assert_eq!(st.allocated_bytes.all().peak as u64, 64 * MIB, "{growth:?}");
         assert!(
-            (st.reserved_bytes.all.peak as u64) < 128 * MIB,
+            (st.reserved_bytes.all().peak as u64) < 128 * MIB,
             "{growth:?}: reserved peak {}",
-            st.reserved_bytes.all.peak
+            st.reserved_bytes.all().peak
         );
         // Two at once is a peak of two; a reset starts from what is allocated now.
         let x = a.alloc(64 * MIB, 1).unwrap();
         let y = a.alloc(64 * MIB, 2).unwrap();
         a.free(y).unwrap();
-        assert_eq!(a.stats().allocated_bytes.all.peak as u64, 128 * MIB);
+        assert_eq!(a.stats().allocated_bytes.all().peak as u64, 128 * MIB);
         a.reset_peak_stats();
-        assert_eq!(a.stats().allocated_bytes.all.peak as u64, 64 * MIB);
+        assert_eq!(a.stats().allocated_bytes.all().peak as u64, 64 * MIB);
         a.free(x).unwrap();
         check_all(&dev, &a, &[]);
     }

@@ -693,8 +693,8 @@ pub unsafe extern "C" fn sp_memory_peaks(
             Some(d) => {
                 let st = each!(d, a => a.stats());
                 (
-                    st.allocated_bytes.all.peak as u64,
-                    st.reserved_bytes.all.peak as u64,
+                    st.allocated_bytes.all().peak as u64,
+                    st.reserved_bytes.all().peak as u64,
                 )
             }
             None => (0, 0),

@@ -412,9 +412,9 @@ impl<D: Device> Allocator<D> {
         let mut private = 0;
         for (&(pool, _), cell) in self.all_shards().iter() {
             let s = lock(&cell.shard);
-            allocated += s.stats.allocated_bytes.all.current as u64;
+            allocated += s.stats.allocated_bytes.all().current as u64;
             if !pool.is_default() {
-                private += s.stats.reserved_bytes.all.current as u64;
+                private += s.stats.reserved_bytes.all().current as u64;
             }
         }
         let reserved = self.shared.budget.held();
@@ -971,13 +971,10 @@ impl<D: Device> Allocator<D> {
         out.num_alloc_retries += self.num_alloc_retries.load(Ordering::Relaxed);
         out.num_ooms += self.num_ooms.load(Ordering::Relaxed);
         // Device-wide peaks from one counter (the merged per-shard peaks add up per shard).
-        out.allocated_bytes.all.peak = self
-            .shared
-            .allocated
-            .peak()
-            .max(out.allocated_bytes.all.current);
-        out.reserved_bytes.all.peak =
-            (self.shared.budget.peak() as i64).max(out.reserved_bytes.all.current);
+        out.allocated_bytes
+            .set_all_peak(self.shared.allocated.peak());
+        out.reserved_bytes
+            .set_all_peak(self.shared.budget.peak() as i64);
         out
     }
 
@@ -986,7 +983,7 @@ impl<D: Device> Allocator<D> {
         let shards = lock(&self.shards);
         shards
             .values()
-            .map(|c| lock(&c.shard).stats.allocated_bytes.all.current as u64)
+            .map(|c| lock(&c.shard).stats.allocated_bytes.all().current as u64)
             .sum()
     }
 
@@ -1060,8 +1057,8 @@ impl<D: Device> Allocator<D> {
             let s = lock(&cell.shard);
             s.check_invariants(ps)
                 .map_err(|e| format!("shard {pool}/{stream}: invariant {e}"))?;
-            let reserved = s.stats.reserved_bytes.all.current as u64;
-            allocated += s.stats.allocated_bytes.all.current + s.peak_credit;
+            let reserved = s.stats.reserved_bytes.all().current as u64;
+            allocated += s.stats.allocated_bytes.all().current + s.peak_credit;
             held += reserved;
             *per_pool.entry(pool).or_default() += reserved;
             let reg = self.segments.read().unwrap_or_else(|e| e.into_inner());

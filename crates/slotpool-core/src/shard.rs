@@ -931,9 +931,9 @@ impl Shard {
         // Within the slack, a new page is preferred to moving an idle one: remapping costs two
         // driver calls every time a workload's pattern shifts, and a little idle memory absorbs
         // that churn. Beyond it, idle pages move to where they are needed.
-        let live = self.stats.active_bytes.all.current as u64 + size;
+        let live = self.stats.active_bytes.all().current as u64 + size;
         let slack = env.vmm_slack(live);
-        let mapped = self.stats.reserved_bytes.all.current as u64;
+        let mapped = self.stats.reserved_bytes.all().current as u64;
         while got.len() < missing.len() {
             let within_slack = mapped + (got.len() as u64 + 1) * ps <= live + slack;
             let reclaim = |s: &mut Self| {
@@ -1609,7 +1609,7 @@ impl Shard {
         ];
         for (name, have, want) in pairs {
             for (part, h, w) in [
-                ("all", have.all.current, want.all.current),
+                ("all", have.all().current, want.all().current),
                 (
                     "small_pool",
                     have.small_pool.current,

@@ -105,39 +105,61 @@ pub enum StatType {
 }
 
 /// A statistic broken down as PyTorch does: all, small_pool, large_pool.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+///
+/// Only the two pools are counted; `all` is their sum ([`StatArray::all`]), except its peak,
+/// which is kept: the peak of a sum is not the sum of the peaks. An update then stores one
+/// pool's fields, not two statistics' (half the stores of an alloc + free pair's statistics).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StatArray {
-    pub all: Stat,
     pub small_pool: Stat,
     pub large_pool: Stat,
+    /// Peak of `small_pool.current + large_pool.current`.
+    all_peak: i64,
 }
 
 impl StatArray {
-    /// Update `all` and the breakdown named by `small`.
+    /// Both pools together.
+    #[inline]
+    pub fn all(&self) -> Stat {
+        let (s, l) = (&self.small_pool, &self.large_pool);
+        let current = s.current + l.current;
+        Stat {
+            current,
+            peak: self.all_peak.max(current),
+            freed: s.freed + l.freed,
+            base: s.base + l.base,
+        }
+    }
+
+    /// Set `all`'s peak, known better than from the pools (a device-wide counter); never below
+    /// the current value.
+    pub fn set_all_peak(&mut self, peak: i64) {
+        self.all_peak = peak.max(self.small_pool.current + self.large_pool.current);
+    }
+
+    /// Update the breakdown named by `small` (and so `all`).
     #[inline]
     pub fn update(&mut self, small: bool, amount: i64) {
-        if amount == 0 {
-            return;
-        }
-        self.all.update(amount);
-        if small {
-            self.small_pool.update(amount);
-        } else {
-            self.large_pool.update(amount);
+        if amount > 0 {
+            self.inc(small, amount);
+        } else if amount < 0 {
+            self.dec(small, -amount);
         }
     }
 
     /// [`StatArray::update`] by `amount >= 0`.
     #[inline]
     pub fn inc(&mut self, small: bool, amount: i64) {
-        self.all.inc(amount);
         self.class(small).inc(amount);
+        let all = self.small_pool.current + self.large_pool.current;
+        if all > self.all_peak {
+            self.all_peak = all;
+        }
     }
 
     /// [`StatArray::update`] by `-amount`, `amount >= 0`.
     #[inline]
     pub fn dec(&mut self, small: bool, amount: i64) {
-        self.all.dec(amount);
         self.class(small).dec(amount);
     }
 
@@ -151,13 +173,34 @@ impl StatArray {
     }
 
     fn merge(&mut self, other: &StatArray) {
-        self.all.merge(&other.all);
+        // Peaks add up, as the pools' do (an upper bound of the merged peak).
+        let peak = self.all().peak + other.all().peak;
         self.small_pool.merge(&other.small_pool);
         self.large_pool.merge(&other.large_pool);
+        self.all_peak = peak;
     }
 
-    fn each_mut(&mut self) -> [&mut Stat; 3] {
-        [&mut self.all, &mut self.small_pool, &mut self.large_pool]
+    fn reset_peak(&mut self) {
+        self.small_pool.reset_peak();
+        self.large_pool.reset_peak();
+        self.all_peak = self.small_pool.current + self.large_pool.current;
+    }
+
+    fn reset_totals(&mut self) {
+        self.small_pool.reset_totals();
+        self.large_pool.reset_totals();
+    }
+}
+
+/// Serialised as PyTorch lays it out: all, small_pool, large_pool.
+impl Serialize for StatArray {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = ser.serialize_struct("StatArray", 3)?;
+        st.serialize_field("all", &self.all())?;
+        st.serialize_field("small_pool", &self.small_pool)?;
+        st.serialize_field("large_pool", &self.large_pool)?;
+        st.end()
     }
 }
 
@@ -236,9 +279,7 @@ impl MemoryStats {
     /// `reset_peak_memory_stats`: every peak becomes the current value.
     pub fn reset_peak(&mut self) {
         for a in self.arrays_mut() {
-            for s in a.each_mut() {
-                s.reset_peak();
-            }
+            a.reset_peak();
         }
         self.oversize_allocations.reset_peak();
         self.oversize_segments.reset_peak();
@@ -247,9 +288,7 @@ impl MemoryStats {
     /// `reset_accumulated_memory_stats`: totals and event counters go to zero.
     pub fn reset_accumulated(&mut self) {
         for a in self.arrays_mut() {
-            for s in a.each_mut() {
-                s.reset_totals();
-            }
+            a.reset_totals();
         }
         for s in [&mut self.oversize_allocations, &mut self.oversize_segments] {
             s.reset_totals();
@@ -278,7 +317,7 @@ impl MemoryStats {
         let mut out = BTreeMap::new();
         for (name, arr) in names.iter().zip(self.arrays()) {
             for (pool, s) in [
-                ("all", &arr.all),
+                ("all", &arr.all()),
                 ("small_pool", &arr.small_pool),
                 ("large_pool", &arr.large_pool),
             ] {
@@ -335,7 +374,7 @@ mod tests {
             }
         }
         assert_eq!(by_update, by_sign);
-        assert_eq!(by_sign.all.peak, 12);
+        assert_eq!(by_sign.all().peak, 12);
         assert_eq!(by_sign.small_pool.current, 4);
     }
 
@@ -353,9 +392,9 @@ mod tests {
         assert!(flat.contains_key("inactive_split_bytes.all.current"));
         assert!(flat.contains_key("requested_bytes.all.allocated"));
         m.reset_peak();
-        assert_eq!(m.allocated_bytes.all.peak, 0);
+        assert_eq!(m.allocated_bytes.all().peak, 0);
         m.reset_accumulated();
-        assert_eq!(m.allocated_bytes.all.freed, 0);
+        assert_eq!(m.allocated_bytes.all().freed, 0);
         assert_eq!(m.num_ooms, 0);
     }
 }

@@ -81,7 +81,7 @@ impl<D: Device> Allocator<D> {
             // The checkpoint holds no cached blocks (shard invariant 9).
             s.flush_quick(&self.env(&c.pool_budget));
             let pos = s.add_mark(&token).map_err(AllocError::InvalidState)?;
-            live += s.stats.allocation.all.current as usize;
+            live += s.stats.allocation.all().current as usize;
             marks.push((s.stream, Arc::downgrade(c), pos));
         }
         Ok(Checkpoint {
