@@ -378,6 +378,110 @@ mod tests {
         assert_eq!(by_sign.small_pool.current, 4);
     }
 
+    /// The plain definition the counters are checked against: three statistics, each with all
+    /// four numbers counted.
+    #[derive(Clone, Copy, Debug, Default)]
+    struct Plain {
+        current: i64,
+        peak: i64,
+        allocated: i64,
+        freed: i64,
+    }
+
+    impl Plain {
+        fn update(&mut self, amount: i64) {
+            self.current += amount;
+            self.peak = self.peak.max(self.current);
+            if amount > 0 {
+                self.allocated += amount;
+            } else {
+                self.freed -= amount;
+            }
+        }
+        fn same(&self, s: &Stat) -> bool {
+            (self.current, self.peak, self.allocated, self.freed)
+                == (s.current, s.peak, s.allocated(), s.freed)
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Update(bool, i64),
+        ResetPeak,
+        ResetTotals,
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            8 => (any::<bool>(), -1000i64..1000).prop_map(|(s, a)| Op::Update(s, a)),
+            1 => Just(Op::ResetPeak),
+            1 => Just(Op::ResetTotals),
+        ]
+    }
+
+    proptest::proptest! {
+        /// `all` derived from the two pools (with its own peak) and totals derived from `freed`
+        /// read exactly as three fully counted statistics would, through updates, resets and
+        /// merges.
+        #[test]
+        fn derived_counters_match_the_plain_definition(
+            ops in proptest::collection::vec(op(), 0..200),
+            other in proptest::collection::vec(op(), 0..50),
+        ) {
+            let run = |ops: &[Op]| {
+                let mut a = StatArray::default();
+                let mut plain = [Plain::default(); 3]; // all, small, large
+                for o in ops {
+                    match *o {
+                        Op::Update(small, amount) => {
+                            a.update(small, amount);
+                            plain[0].update(amount);
+                            plain[if small { 1 } else { 2 }].update(amount);
+                        }
+                        Op::ResetPeak => {
+                            let mut m = MemoryStats { allocation: a, ..Default::default() };
+                            m.reset_peak();
+                            a = m.allocation;
+                            for p in &mut plain {
+                                p.peak = p.current;
+                            }
+                        }
+                        Op::ResetTotals => {
+                            let mut m = MemoryStats { allocation: a, ..Default::default() };
+                            m.reset_accumulated();
+                            a = m.allocation;
+                            for p in &mut plain {
+                                p.allocated = 0;
+                                p.freed = 0;
+                            }
+                        }
+                    }
+                    assert!(plain[0].same(&a.all()), "all: {:?} vs {:?}", plain[0], a.all());
+                    assert!(plain[1].same(&a.small_pool));
+                    assert!(plain[2].same(&a.large_pool));
+                }
+                (a, plain)
+            };
+            let (mut a, pa) = run(&ops);
+            let (b, pb) = run(&other);
+            let mut m = MemoryStats { allocation: a, ..Default::default() };
+            m.merge(&MemoryStats { allocation: b, ..Default::default() });
+            a = m.allocation;
+            // Merged: every number adds up, peaks included.
+            let all = a.all();
+            proptest::prop_assert_eq!(
+                (all.current, all.peak, all.allocated(), all.freed),
+                (
+                    pa[0].current + pb[0].current,
+                    pa[0].peak + pb[0].peak,
+                    pa[0].allocated + pb[0].allocated,
+                    pa[0].freed + pb[0].freed
+                )
+            );
+        }
+    }
+
     #[test]
     fn flat_map_has_pytorch_keys_and_resets_work() {
         let mut m = MemoryStats::default();
