@@ -5,6 +5,7 @@
 //
 // Exit status 0 when every check passes; each failure prints one line.
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -83,6 +84,94 @@ int block_stack(const c10::cuda::CUDACachingAllocator::SnapshotInfo& s, void* ad
     }
   }
   return -1;
+}
+
+// A filter std::function whose target type names CUDAGraph, as PyTorch's capture filters do:
+// the shim registers it as a capture route without asking CUDA for the current stream.
+struct FakeCUDAGraphFilter {
+  cudaStream_t capturing;
+  bool operator()(cudaStream_t s) const { return s == capturing; }
+};
+
+// Which pool slotpool says the block at `p` belongs to, from the snapshot's segments.
+c10::MempoolId_t pool_of(slotpool_torch::SlotpoolAllocator& a, void* p) {
+  auto snap = a.snapshot({0, 0}, false);
+  for (const auto& seg : snap.segments) {
+    if (reinterpret_cast<size_t>(p) >= seg.address &&
+        reinterpret_cast<size_t>(p) < seg.address + seg.total_size) {
+      return seg.owner_private_pool_id;
+    }
+  }
+  return {~0ULL, ~0ULL};
+}
+
+void check_stats_routes_and_checkpoints(slotpool_torch::SlotpoolAllocator& a) {
+  using c10::CachingDeviceAllocator::StatType;
+  const auto all = static_cast<size_t>(StatType::AGGREGATE);
+  const auto small = static_cast<size_t>(StatType::SMALL_POOL);
+  const auto large = static_cast<size_t>(StatType::LARGE_POOL);
+  auto* s1 = reinterpret_cast<cudaStream_t>(11);
+  auto* s2 = reinterpret_cast<cudaStream_t>(12);
+
+  // getDeviceStats: PyTorch's fields from slotpool's, pool by pool.
+  a.emptyCache({0, 0});
+  a.resetPeakStats(1);
+  auto before = a.getDeviceStats(1);
+  void* sm = a.malloc_impl(1, 1000, s1);      // small pool, 1024 bytes
+  void* lg = a.malloc_impl(1, 3 << 20, s1);   // large pool
+  auto d = a.getDeviceStats(1);
+  expect(d.allocation[all].current == before.allocation[all].current + 2, "stats: allocation");
+  expect(d.allocated_bytes[small].current == before.allocated_bytes[small].current + 1024,
+         "stats: small pool bytes");
+  expect(d.allocated_bytes[large].current == before.allocated_bytes[large].current + (3 << 20),
+         "stats: large pool bytes");
+  expect(d.requested_bytes[all].current ==
+             before.requested_bytes[all].current + 1000 + (3 << 20),
+         "stats: requested bytes");
+  expect(d.allocated_bytes[all].peak >= d.allocated_bytes[all].current, "stats: peak");
+  expect(d.reserved_bytes[all].current >= d.allocated_bytes[all].current, "stats: reserved");
+  a.free_ptr(lg, true);
+  d = a.getDeviceStats(1);
+  expect(d.allocated_bytes[large].freed >= (3 << 20), "stats: freed total");
+  expect(d.allocated_bytes[all].peak - d.allocated_bytes[all].current == (3 << 20),
+         "stats: the peak stays after a free");
+  a.free_ptr(sm, true);
+
+  // A capture route: allocations of the capturing stream go to the pool, others do not.
+  c10::MempoolId_t pool{7, 0};
+  a.createOrIncrefPool(1, pool);
+  a.beginAllocateToPool(1, pool, FakeCUDAGraphFilter{s1});
+  void* in_pool = a.malloc_impl(1, 5 << 20, s1);
+  void* outside = a.malloc_impl(1, 5 << 20, s2);
+  a.endAllocateToPool(1, pool);
+  void* after = a.malloc_impl(1, 5 << 20, s1);
+  expect(pool_of(a, in_pool) == pool, "route: the capturing stream's allocation is in the pool");
+  expect(pool_of(a, outside) == c10::MempoolId_t{0, 0}, "route: another stream's is not");
+  expect(pool_of(a, after) == c10::MempoolId_t{0, 0}, "route: none after endAllocateToPool");
+  expect(a.checkPoolLiveAllocations(1, pool, {in_pool}), "checkPoolLiveAllocations: exact set");
+  expect(!a.checkPoolLiveAllocations(1, pool, {}), "checkPoolLiveAllocations: a missing one");
+  a.free_ptr(outside, true);
+  a.free_ptr(after, true);
+
+  // getCheckpointState / setCheckpointPoolState, PyTorch's contract: every allocation live
+  // before the restore is in ptrs_freed, every allocation of the checkpoint in dataptrs_allocd.
+  auto cp = a.getCheckpointState(1, pool);
+  a.free_ptr(in_pool, true);
+  a.beginAllocateToPool(1, pool, FakeCUDAGraphFilter{s1});
+  void* other = a.malloc_impl(1, 9 << 20, s1);
+  a.endAllocateToPool(1, pool);
+  {
+    auto delta = a.setCheckpointPoolState(1, cp);
+    auto has = [](const std::vector<void*>& v, void* p) {
+      return std::find(v.begin(), v.end(), p) != v.end();
+    };
+    expect(has(delta.ptrs_freed, other), "restore: the allocation made since is freed");
+    expect(delta.dataptrs_allocd.size() == 1 && delta.dataptrs_allocd[0].get() == in_pool,
+           "restore: the checkpoint's allocation is handed back");
+    expect(a.checkPoolLiveAllocations(1, pool, {in_pool}), "restore: the pool holds it again");
+  }  // the handed-back DataPtr frees it here, with the shim's deleter
+  expect(a.checkPoolLiveAllocations(1, pool, {}), "the DataPtr's deleter freed it");
+  a.releasePool(1, pool);
 }
 
 void* sp_alloc_or_die(size_t size) {
@@ -196,6 +285,8 @@ int main() {
   snap = a.snapshot({0, 0}, false);
   expect(s4 != s3 || block_stack(snap, s4) == 0, "a block allocated after stopping has none");
   a.free_ptr(s4, true);
+
+  check_stats_routes_and_checkpoints(a);
 
   if (failures == 0) {
     std::printf("host_check: all passed\n");
