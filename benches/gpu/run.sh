@@ -5,7 +5,7 @@
 # Here (the build machine, no GPU):   ./benches/gpu/prepare.sh     (release .so files -> .gpu/)
 # There (through the device tool):    bash benches/gpu/run.sh [STEP...]      carry: .gpu
 #
-# Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch
+# Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch_host torch
 # On demand: record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
 # (growth cost per chunk size), host_sim (the criterion host-cost bench on this host), host_abi
 # (sp_alloc + sp_free through the .so, simulated device and CUDA), cpu_probe (the same, pinned to
@@ -23,7 +23,7 @@ mkdir -p "$BUILD"
 export LD_LIBRARY_PATH=$LIB:${LD_LIBRARY_PATH:-}
 export SLOTPOOL_LIB=$LIB/libslotpool.so
 export PYTHONUNBUFFERED=1
-STEPS=${*:-probe suite preload torch_uncached alloc_bench variants torch}
+STEPS=${*:-probe suite preload torch_uncached alloc_bench variants torch_host torch}
 RES=$OUT/results.jsonl
 : >"$RES"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -179,6 +179,11 @@ if has oom_probe; then
   SEGV_BT=$BUILD/segv_backtrace.so SLOTPOOL_TORCH_DEBUG=1 SLOTPOOL_TORCH_BUILD_DIR=/tmp/slotpool-torch-ext-debug \
     run oom_probe 500 python3 benches/gpu/oom_probe.py
   grep '^{' "$OUT/oom_probe.log" | sed 's/^{/{"step": "oom_probe", /' >>"$RES"
+fi
+
+if has torch_host; then
+  # The shim's C++ against the installed torch, on the simulated device (scripts/torch_host_check.sh).
+  TORCH_HOST_OUT=$BUILD/torch-host run torch_host 240 bash scripts/torch_host_check.sh
 fi
 
 if has torch; then
