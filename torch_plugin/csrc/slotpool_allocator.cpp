@@ -19,7 +19,9 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <sstream>
+#include <string_view>
 #include <tuple>
 #include <typeinfo>
 #include <unordered_set>
@@ -682,6 +684,11 @@ void SlotpoolAllocator::resetPeakStats(c10::DeviceIndex device) {
 
 // ---- snapshot ----
 
+// PyTorch 2.11's trace actions (parseTraceEntryAction throws on any other).
+constexpr std::string_view kTraceActions[] = {
+    "alloc",       "free_requested", "free_completed", "segment_alloc", "segment_free",
+    "segment_map", "segment_unmap",  "snapshot",       "oom"};
+
 // The recorded history (sp_record_history) as PyTorch's trace entries, less recordHistory's
 // skip_actions, with the stacks the shim gathered. PyTorch's Python side reads time_.t_ as
 // microseconds (its own allocator converts its approximate clock before returning); slotpool
@@ -712,6 +719,10 @@ void SlotpoolAllocator::append_traces(const json::Value& snap, CCA::SnapshotInfo
     std::map<std::tuple<int, int, uint64_t>, size_t> seen;
     for (auto e = entries.rbegin(); e != entries.rend(); ++e) {
       std::string action = e->str("action");
+      if (std::find(std::begin(kTraceActions), std::end(kTraceActions), action) ==
+          std::end(kTraceActions)) {
+        continue;  // an action this PyTorch does not know
+      }
       auto a = c10::CachingDeviceAllocator::parseTraceEntryAction(action);
       uint64_t addr = e->u64("addr");
       std::shared_ptr<c10::GatheredContext> ctx;
@@ -1201,8 +1212,19 @@ std::shared_ptr<c10::GatheredContext> SlotpoolAllocator::gather(CCA::RecordConte
     std::lock_guard<std::mutex> lk(history_mu_);
     recorder = history_recorder_;
   }
-  // Outside the lock: PyTorch's recorder takes the GIL to read the Python stack.
-  return recorder != nullptr ? recorder() : nullptr;
+  if (recorder == nullptr) {
+    return nullptr;
+  }
+  // Outside the lock: PyTorch's recorder takes the GIL to read the Python stack. A failure costs
+  // the stack, never the allocation or free it describes.
+  try {
+    return recorder();
+  } catch (const std::exception& e) {
+    TORCH_WARN_ONCE("slotpool: the memory history's stack recorder failed: ", e.what());
+  } catch (...) {
+    TORCH_WARN_ONCE("slotpool: the memory history's stack recorder failed");
+  }
+  return nullptr;
 }
 
 void SlotpoolAllocator::trim_trace_stacks_locked(std::vector<TracedStack>& dropped) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,10 @@ int stacks_made = 0;
 
 std::shared_ptr<c10::GatheredContext> fake_recorder() {
   return std::make_shared<FakeStack>(++stacks_made);
+}
+
+std::shared_ptr<c10::GatheredContext> failing_recorder() {
+  throw std::runtime_error("no stack today");
 }
 
 int stack_id(const std::shared_ptr<c10::GatheredContext>& c) {
@@ -274,6 +279,19 @@ int main() {
   expect(block_stack(snap, s3) > alloc2, "STATE: the block has a stack");
   expect(entry_stack(snap.device_traces[0], Action::ALLOC, s3, 0) == 0,
          "STATE: the alloc entry has none");
+
+  // A recorder that throws costs the stack, not the allocation or the free.
+  a.recordHistory(true, &failing_recorder, 100, RC::ALL, false, {});
+  void* f1 = nullptr;
+  try {
+    f1 = a.malloc_impl(0, 7000, stream);
+    a.free_ptr(f1, true);
+  } catch (const std::exception& e) {
+    expect(false, std::string("a failing recorder broke an allocation: ") + e.what());
+  }
+  snap = a.snapshot({0, 0}, true);
+  expect(f1 != nullptr && entry_stack(snap.device_traces[0], Action::ALLOC, f1, 0) == 0,
+         "a failing recorder: the entry is recorded without a stack");
 
   // Recording stopped: the stacks of live blocks stay until they are freed.
   a.recordHistory(false, nullptr, 0, RC::NEVER, false, {});
