@@ -1185,7 +1185,8 @@ void SlotpoolAllocator::recordHistory(bool enabled, CCA::CreateContextFn context
   size_t entries = enabled ? std::max<size_t>(alloc_trace_max_entries, 1) : 0;
   std::vector<TracedStack> dropped;  // destroyed after the lock is released (see history_mu_)
   std::lock_guard<std::mutex> lk(history_mu_);
-  if (clearHistory) {
+  // As PyTorch's allocator: stopping forgets the trace too (live blocks keep their stacks).
+  if (!enabled || clearHistory) {
     check(sp_clear_history(-1), "sp_clear_history");
     dropped.assign(std::make_move_iterator(trace_stacks_.begin()),
                    std::make_move_iterator(trace_stacks_.end()));

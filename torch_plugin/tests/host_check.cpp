@@ -241,18 +241,22 @@ int main() {
   expect(count(snap.device_traces[1], Action::ALLOC, q) == 1, "device used later records");
   slotpool_torch::check(sp_free(q), "sp_free device 1");
 
-  // Stop: nothing new; clear_history forgets.
-  a.recordHistory(false, nullptr, 0, c10::CachingDeviceAllocator::RecordContext::NEVER, false, {});
-  expect(!a.isHistoryEnabled(), "isHistoryEnabled after recordHistory(false)");
-  void* r = sp_alloc_or_die(3000);
-  slotpool_torch::check(sp_free(r), "sp_free");
-  snap = a.snapshot({0, 0}, true);
-  expect(count(snap.device_traces[0], Action::ALLOC, p) == 1, "entries stay after stopping");
-  expect(count(snap.device_traces[0], Action::ALLOC, r) == (r == p ? 1u : 0u),
-         "no entry after stopping");
-  a.recordHistory(false, nullptr, 0, c10::CachingDeviceAllocator::RecordContext::NEVER, true, {});
+  // clear_history forgets what was recorded, and recording goes on.
+  a.recordHistory(true, nullptr, 100, c10::CachingDeviceAllocator::RecordContext::NEVER, true, {});
   snap = a.snapshot({0, 0}, true);
   expect(snap.device_traces[0].empty() && snap.device_traces[1].empty(), "clearHistory forgets");
+  void* r = sp_alloc_or_die(3000);
+  slotpool_torch::check(sp_free(r), "sp_free");
+  expect(count(a.snapshot({0, 0}, true).device_traces[0], Action::ALLOC, r) == 1,
+         "recording goes on after clearHistory");
+  // Stopping forgets the trace too, as PyTorch's allocator does, and records nothing more.
+  a.recordHistory(false, nullptr, 0, c10::CachingDeviceAllocator::RecordContext::NEVER, false, {});
+  expect(!a.isHistoryEnabled(), "isHistoryEnabled after recordHistory(false)");
+  void* r2 = sp_alloc_or_die(3000);
+  slotpool_torch::check(sp_free(r2), "sp_free");
+  snap = a.snapshot({0, 0}, true);
+  expect(snap.device_traces[0].empty() && snap.device_traces[1].empty(),
+         "stopping forgets the trace and records nothing");
 
   // Stacks (context_recorder), at PyTorch's levels. ALL: blocks, allocs and frees.
   using RC = c10::CachingDeviceAllocator::RecordContext;
