@@ -242,6 +242,13 @@ sp_status sp_allocation_info(void* ptr, void** base, size_t* size, size_t* reque
  *  (torch.cuda.empty_cache). Pools still in use keep theirs (live graphs may reference it). */
 sp_status sp_empty_cache(int device);
 
+/** Gives device peer read and write access to device's memory: its vmm pages, mapped now and
+ *  later, as cudaDeviceEnablePeerAccess does for cudaMalloc memory (which classic segments are,
+ *  so that call is still needed for them). A device not used yet gets it when first used; peer ==
+ *  device does nothing. Errors: SP_ERR_INVALID_ARGUMENT (a bad device or peer), SP_ERR_DEVICE
+ *  (peer cannot access device's memory, or the driver refused). */
+sp_status sp_enable_peer_access(int device, int peer);
+
 /** Caps the physical memory device may hold at fraction (0 < fraction <= 1) of its total
  *  memory (set_per_process_memory_fraction). Errors: SP_ERR_INVALID_ARGUMENT (bad fraction or
  *  device). */

@@ -726,3 +726,31 @@ fn large_pages_keep_small_blocks_in_classic_segments() {
     a.check_invariants().unwrap();
     assert_eq!(dev.physical_bytes(), 0);
 }
+
+#[test]
+fn peer_access_reaches_pages_mapped_before_and_after() {
+    let (dev, a) = setup_with_pool(GrowthMode::Vmm, POOL);
+    let before = a.alloc(3 * MIB, 0).unwrap();
+    let routed = a.alloc_in(POOL, 5 * MIB, 1).unwrap();
+    let ar = a.arena_create(POOL, 0).unwrap();
+    let slot = a.arena_alloc(ar, 0, 0, 2 * MIB).unwrap();
+    for p in [before, routed, slot] {
+        assert_eq!(dev.page_peers(p), Some(vec![]), "no peer yet at {p:#x}");
+    }
+    // A bad device changes nothing.
+    assert!(a.enable_peer_access(-1).is_err());
+    assert_eq!(dev.page_peers(before), Some(vec![]));
+    a.enable_peer_access(1).unwrap();
+    a.enable_peer_access(1).unwrap(); // twice: no change
+    for p in [before, routed, slot, before + 3 * MIB - 1] {
+        assert_eq!(dev.page_peers(p), Some(vec![1]), "mapped before, at {p:#x}");
+    }
+    let after = a.alloc(64 * MIB, 2).unwrap();
+    assert_eq!(dev.page_peers(after), Some(vec![1]), "mapped after");
+    assert_eq!(dev.page_peers(after + 63 * MIB), Some(vec![1]));
+    for p in [before, routed, after] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache();
+    check_all(&dev, &a, &[]);
+}

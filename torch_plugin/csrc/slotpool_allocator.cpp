@@ -1316,6 +1316,9 @@ std::shared_ptr<void> SlotpoolAllocator::getIpcDevPtr(std::string handle) {
               "other processes needs PyTorch's native allocator for now.");
 }
 
+// `dev` may now read and write `dev_to_access`'s memory: cudaMalloc memory (slotpool's classic
+// segments) through the runtime's peer access, slotpool's vmm pages through their access lists,
+// as PyTorch does for its expandable segments.
 void SlotpoolAllocator::enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) {
   c10::cuda::CUDAGuard guard(dev);
   cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
@@ -1324,15 +1327,16 @@ void SlotpoolAllocator::enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex 
   } else {
     C10_CUDA_CHECK(err);
   }
+  ensure_initialized();
+  check(sp_enable_peer_access(dev_to_access, dev), "sp_enable_peer_access");
 }
 
 cudaError_t SlotpoolAllocator::memcpyAsync(void* dst, int dstDevice, const void* src,
                                            int srcDevice, size_t count, cudaStream_t stream,
                                            bool p2p_enabled) {
   (void)p2p_enabled;
-  // slotpool's vmm memory is mapped for its own device only (peer access to it is not granted
-  // through cudaDeviceEnablePeerAccess), so copies between devices always take the peer path,
-  // which works for every kind of memory.
+  // Copies between devices take the peer path, which works for every kind of memory, whether or
+  // not enablePeerAccess opened it.
   if (dstDevice == srcDevice) {
     return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
   }

@@ -395,6 +395,14 @@ pub extern "C" fn sp_empty_cache(device: c_int) -> sp_status {
     ffi(|| for_devices(runtime()?, device, |d| each!(d, a => a.empty_cache())))
 }
 
+/// Gives device `peer` read and write access to `device`'s memory: its vmm pages, mapped now and
+/// later (classic segments are `cudaMalloc` memory, which `cudaDeviceEnablePeerAccess` opens).
+/// A device not used yet gets it when first used.
+#[unsafe(no_mangle)]
+pub extern "C" fn sp_enable_peer_access(device: c_int, peer: c_int) -> sp_status {
+    ffi(|| runtime()?.enable_peer_access(device, peer))
+}
+
 /// Caps the physical memory of `device` at `fraction` (in (0, 1]) of the device.
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_set_memory_fraction(device: c_int, fraction: f64) -> sp_status {

@@ -46,6 +46,13 @@ pub struct SimDev {
     offset: u64,
 }
 
+impl SimDev {
+    /// [`SimDevice::page_peers`] at one of this device's (shifted) addresses.
+    pub fn page_peers(&self, ptr: DevicePtr) -> Option<Vec<i32>> {
+        self.inner.page_peers(ptr.wrapping_sub(self.offset))
+    }
+}
+
 impl Device for SimDev {
     fn page_size(&self) -> u64 {
         self.inner.page_size()
@@ -107,6 +114,13 @@ impl Device for SimDev {
     }
     fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus> {
         self.inner.capture_status(stream)
+    }
+    fn add_peer(&self, peer: i32) -> DeviceResult<()> {
+        self.inner.add_peer(peer)
+    }
+    fn refresh_access(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        self.inner
+            .refresh_access(ptr.wrapping_sub(self.offset), size)
     }
 }
 
@@ -283,12 +297,20 @@ pub struct Runtime {
     pub config: Config,
     pub sim: SimOptions,
     slots: Box<[OnceLock<DevAlloc>]>,
-    /// Serialises the creation of device allocators; holds the history ring size that
-    /// `sp_record_history(-1, n)` set for every device, applied to allocators created later (0:
-    /// not recording).
-    create: Mutex<usize>,
+    /// Serialises the creation of device allocators; holds what an allocator created later
+    /// must start with.
+    create: Mutex<Pending>,
     /// The device opened while probing for CUDA, handed to device 0's allocator.
     cuda0: Mutex<Option<CudaDevice>>,
+}
+
+/// Settings made for devices whose allocators do not exist yet.
+#[derive(Debug, Default)]
+struct Pending {
+    /// The history ring size `sp_record_history(-1, n)` set (0: not recording).
+    history: usize,
+    /// (device, peer) pairs of `sp_enable_peer_access`.
+    peers: Vec<(usize, i32)>,
 }
 
 thread_local! {
@@ -317,7 +339,7 @@ impl Runtime {
             config,
             sim,
             slots: (0..count).map(|_| OnceLock::new()).collect(),
-            create: Mutex::new(0),
+            create: Mutex::new(Pending::default()),
             cuda0: Mutex::new(cuda0),
         })
     }
@@ -368,16 +390,36 @@ impl Runtime {
     /// Record the history of every device, present and future, into rings of `max_entries`
     /// (0 stops recording).
     pub fn record_history_all(&self, max_entries: usize) {
-        let mut history = self.create.lock().unwrap_or_else(PoisonError::into_inner);
-        *history = max_entries;
+        let mut pending = self.create.lock().unwrap_or_else(PoisonError::into_inner);
+        pending.history = max_entries;
         for (_, d) in self.created() {
             each!(d, a => a.record_history(max_entries));
         }
     }
 
+    /// Give device `peer` access to `device`'s memory (see `sp_enable_peer_access`); remembered
+    /// for an allocator not created yet, without creating it.
+    pub fn enable_peer_access(&self, device: c_int, peer: c_int) -> Result<()> {
+        let i = self.index(device)?;
+        let p = self.index(peer)?;
+        if i == p {
+            return Ok(());
+        }
+        let mut pending = self.create.lock().unwrap_or_else(PoisonError::into_inner);
+        match self.slots[i].get() {
+            Some(d) => each!(d, a => a.enable_peer_access(peer))?,
+            None => {
+                if !pending.peers.contains(&(i, peer)) {
+                    pending.peers.push((i, peer));
+                }
+            }
+        }
+        Ok(())
+    }
+
     #[cold]
     fn create_device(&self, i: usize) -> Result<&DevAlloc> {
-        let history = self.create.lock().unwrap_or_else(PoisonError::into_inner);
+        let pending = self.create.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(d) = self.slots[i].get() {
             return Ok(d);
         }
@@ -423,8 +465,11 @@ impl Runtime {
                 DevAlloc::Cuda(Allocator::new(Arc::new(dev), config))
             }
         };
-        if *history > 0 {
-            each!(&alloc, a => a.record_history(*history));
+        if pending.history > 0 {
+            each!(&alloc, a => a.record_history(pending.history));
+        }
+        for &(_, peer) in pending.peers.iter().filter(|&&(d, _)| d == i) {
+            each!(&alloc, a => a.enable_peer_access(peer))?;
         }
         tracing::debug!(
             device = i,

@@ -845,3 +845,39 @@ fn device_peaks_are_exact_across_streams() {
     );
     assert!(r >= a);
 }
+
+#[test]
+fn peer_access_reaches_pages_mapped_before_and_after() {
+    // SECOND to itself (the other SECOND tests check nothing of peers; exclusive for the
+    // invariant check of the concurrent test).
+    let _g = exclusive(SECOND);
+    let page_peers = |d: i32, p: *mut c_void| match runtime::runtime().unwrap().device(d).unwrap() {
+        runtime::DevAlloc::Sim(a) => a.device().page_peers(p as u64),
+        runtime::DevAlloc::Cuda(_) => unreachable!("sim backend"),
+    };
+    let p = alloc(SECOND, 3 * MIB, 0);
+    ok(sp_enable_peer_access(SECOND, SHARED));
+    assert_eq!(
+        page_peers(SECOND, p),
+        Some(vec![SHARED]),
+        "a page mapped before"
+    );
+    let q = alloc(SECOND, 5 * MIB, 3);
+    assert_eq!(
+        page_peers(SECOND, q),
+        Some(vec![SHARED]),
+        "a page mapped after"
+    );
+    ok(sp_enable_peer_access(SECOND, SECOND)); // itself: nothing to do
+    expect(
+        sp_enable_peer_access(SECOND, DEVICES),
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    expect(
+        sp_enable_peer_access(-1, 0),
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    assert!(last_error().contains("device -1"), "{}", last_error());
+    ok(sp_free(p));
+    ok(sp_free(q));
+}

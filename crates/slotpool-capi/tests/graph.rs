@@ -340,3 +340,21 @@ fn mark_reusable_returns_the_block_to_its_pool() {
     // SAFETY: NULL out-pointer is allowed.
     ok(unsafe { sp_pool_release(SHARED, p, null_mut()) });
 }
+
+#[test]
+fn peer_access_given_before_a_device_is_used() {
+    // No other test of this binary uses QUIET: its allocator is created by the alloc below, after
+    // the grant, which it must start with.
+    setup();
+    let d = QUIET;
+    ok(sp_enable_peer_access(d, SECOND));
+    let mut p = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_alloc(d, 3 * MIB, 0, &mut p) });
+    let peers = match runtime::runtime().unwrap().device(d).unwrap() {
+        runtime::DevAlloc::Sim(a) => a.device().page_peers(p as u64),
+        runtime::DevAlloc::Cuda(_) => unreachable!("sim backend"),
+    };
+    assert_eq!(peers, Some(vec![SECOND]));
+    ok(sp_free(p));
+}

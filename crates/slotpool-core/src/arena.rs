@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
 use crate::allocator::Allocator;
-use crate::device::{Device, DevicePtr, PageHandle, StreamId};
+use crate::device::{Device, DevicePtr, DeviceResult, PageHandle, StreamId};
 use crate::error::{AllocError, AllocResult};
 use crate::policy::MIN_BLOCK_SIZE;
 use crate::pool::PoolId;
@@ -306,6 +306,18 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Physical bytes held by arenas, per pool (part of `held_bytes`).
+    /// Give every added peer access to the arenas' pages (see `peer.rs`); under the arenas'
+    /// lock, which their mapping and unmapping take.
+    pub(crate) fn refresh_arena_access(&self) -> DeviceResult<()> {
+        let ps = self.shared.page_size;
+        for a in lock(&self.arenas).values() {
+            if !a.pages.is_empty() {
+                self.dev.refresh_access(a.base, a.pages.len() as u64 * ps)?;
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) fn arena_bytes(&self) -> Vec<(PoolId, u64)> {
         let ps = self.shared.page_size;
         lock(&self.arenas)

@@ -164,4 +164,23 @@ pub trait Device: Send + Sync + 'static {
 
     /// Whether `stream` is capturing, and into which capture (`cuStreamGetCaptureInfo`).
     fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus>;
+
+    /// Give device `peer` read/write access to the pages mapped from now on, as
+    /// `cudaDeviceEnablePeerAccess` does for `cudaMalloc` memory. Adding this device itself, or a
+    /// peer twice, does nothing. Backends without peers refuse it.
+    fn add_peer(&self, peer: i32) -> DeviceResult<()> {
+        let _ = peer;
+        Err(DeviceError::Unavailable(
+            "this backend has no peer access".into(),
+        ))
+    }
+
+    /// Give every added peer access to `size` bytes of pages mapped at `ptr` before it was added
+    /// (`cuMemSetAccess`). Every page of the range is mapped.
+    fn refresh_access(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        let _ = (ptr, size);
+        Err(DeviceError::Unavailable(
+            "this backend has no peer access".into(),
+        ))
+    }
 }

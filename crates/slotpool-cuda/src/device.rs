@@ -87,7 +87,7 @@ pub struct CudaDevice {
     page_size: u64,
     vmm: bool,
     /// Access descriptors for `cuMemSetAccess`: this device first, then the peers of
-    /// [`CudaDevice::add_peer`].
+    /// [`Device::add_peer`].
     access: RwLock<Vec<CUmemAccessDesc>>,
 }
 
@@ -290,36 +290,6 @@ impl CudaDevice {
     /// [`DeviceError::Unavailable`] and only classic growth works.
     pub fn vmm_supported(&self) -> bool {
         self.vmm
-    }
-
-    /// Grants device `peer` read/write access to pages mapped from now on (pages already mapped
-    /// keep their access). Fails with [`DeviceError::InvalidArgument`] when `peer` cannot access
-    /// this device's memory. Adding this device itself, or a peer twice, does nothing.
-    pub fn add_peer(&self, peer: i32) -> DeviceResult<()> {
-        if peer == self.ordinal {
-            return Ok(());
-        }
-        let mut peer_device: CUdevice = 0;
-        // SAFETY: `peer_device` is a valid out-pointer; a bad ordinal is reported as an error.
-        call("cuDeviceGet", || unsafe {
-            sys::cuDeviceGet(&mut peer_device, peer)
-        })?;
-        let mut can: c_int = 0;
-        // SAFETY: `can` is a valid out-pointer and both device handles come from `cuDeviceGet`.
-        call("cuDeviceCanAccessPeer", || unsafe {
-            sys::cuDeviceCanAccessPeer(&mut can, peer_device, self.device)
-        })?;
-        if can == 0 {
-            return Err(DeviceError::InvalidArgument(format!(
-                "device {peer} cannot access the memory of device {}",
-                self.ordinal
-            )));
-        }
-        let mut access = self.access.write().unwrap_or_else(PoisonError::into_inner);
-        if !access.iter().any(|d| d.location.id == peer_device) {
-            access.push(access_desc(peer_device));
-        }
-        Ok(())
     }
 
     /// Makes this device's primary context current on the calling thread and leaves it there,
@@ -614,6 +584,49 @@ impl Device for CudaDevice {
         // SAFETY: by the trait contract exactly one page is mapped at `ptr` and no pending work
         // touches it; the driver rejects unmapped ranges with an error.
         call("cuMemUnmap", || unsafe { sys::cuMemUnmap(ptr, bytes) })
+    }
+
+    /// Fails with [`DeviceError::InvalidArgument`] when `peer` cannot access this device's memory
+    /// (`cuDeviceCanAccessPeer`).
+    fn add_peer(&self, peer: i32) -> DeviceResult<()> {
+        if peer == self.ordinal {
+            return Ok(());
+        }
+        let mut peer_device: CUdevice = 0;
+        // SAFETY: `peer_device` is a valid out-pointer; a bad ordinal is reported as an error.
+        call("cuDeviceGet", || unsafe {
+            sys::cuDeviceGet(&mut peer_device, peer)
+        })?;
+        let mut can: c_int = 0;
+        // SAFETY: `can` is a valid out-pointer and both device handles come from `cuDeviceGet`.
+        call("cuDeviceCanAccessPeer", || unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, peer_device, self.device)
+        })?;
+        if can == 0 {
+            return Err(DeviceError::InvalidArgument(format!(
+                "device {peer} cannot access the memory of device {}",
+                self.ordinal
+            )));
+        }
+        let mut access = self.access.write().unwrap_or_else(PoisonError::into_inner);
+        if !access.iter().any(|d| d.location.id == peer_device) {
+            access.push(access_desc(peer_device));
+        }
+        Ok(())
+    }
+
+    fn refresh_access(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        self.require_vmm("refresh_access")?;
+        let len = to_usize(size, "refresh_access")?;
+        let _ctx = self.enter()?;
+        let _mode = relaxed()?;
+        let access = self.access.read().unwrap_or_else(PoisonError::into_inner);
+        // SAFETY: `access` holds `access.len()` initialised descriptors and stays borrowed for the
+        // call; by the trait contract every page of `ptr..ptr+len` is mapped (the driver rejects
+        // anything else with an error).
+        call("cuMemSetAccess", || unsafe {
+            sys::cuMemSetAccess(ptr, len, access.as_ptr(), access.len())
+        })
     }
 
     fn create_event(&self) -> DeviceResult<EventHandle> {

@@ -23,7 +23,7 @@
 //! including "none", before returning. So the backend never changes which device the CUDA runtime
 //! thinks is current on a thread, and several devices can be used from one thread. No lock is
 //! taken: the driver API is thread-safe, and the only shared mutable state, the peer list of
-//! [`CudaDevice::add_peer`], sits behind an `RwLock` read by [`map`](slotpool_core::Device::map).
+//! [`add_peer`](slotpool_core::Device::add_peer), sits behind an `RwLock` read by [`map`](slotpool_core::Device::map).
 //!
 //! # Capture rule: what is relaxed
 //!

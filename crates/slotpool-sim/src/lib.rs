@@ -180,6 +180,12 @@ impl SimDevice {
         self.lock().memory.mapped
     }
 
+    /// The peers that may access the page mapped at `ptr` (this device always may), or `None`
+    /// when no page is mapped there.
+    pub fn page_peers(&self, ptr: DevicePtr) -> Option<Vec<i32>> {
+        self.lock().memory.page_peers(ptr)
+    }
+
     /// Changes `total_memory()`; memory already in use stays, later allocations see the new total.
     pub fn set_capacity(&self, bytes: u64) {
         self.lock().memory.total = bytes;
@@ -401,6 +407,14 @@ impl Device for SimDevice {
         let rule = CaptureRule::NoCapture;
         self.lock()
             .call(CallKind::Unmap, rule, |s| s.memory.unmap(ptr))
+    }
+
+    fn add_peer(&self, peer: i32) -> DeviceResult<()> {
+        self.lock().memory.add_peer(peer)
+    }
+
+    fn refresh_access(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        self.lock().memory.refresh_access(ptr, size)
     }
 
     fn create_event(&self) -> DeviceResult<EventHandle> {

@@ -99,6 +99,10 @@ pub(crate) struct Memory {
     pub(crate) physical: u64,
     pub(crate) peak: u64,
     pub(crate) mapped: u64,
+    /// Devices given access to pages mapped from now on (`add_peer`).
+    peers: Vec<i32>,
+    /// Mapped page address -> the peers that may access it (this device always may).
+    access: HashMap<DevicePtr, Vec<i32>>,
 }
 
 /// An `InvalidArgument` error.
@@ -119,7 +123,43 @@ impl Memory {
             physical: 0,
             peak: 0,
             mapped: 0,
+            peers: Vec::new(),
+            access: HashMap::new(),
         }
+    }
+
+    pub(crate) fn add_peer(&mut self, peer: i32) -> DeviceResult<()> {
+        if peer < 0 {
+            return invalid(format!("add_peer({peer}): not a device"));
+        }
+        if !self.peers.contains(&peer) {
+            self.peers.push(peer);
+        }
+        Ok(())
+    }
+
+    /// Every page of [ptr, ptr + size) must be mapped, as `cuMemSetAccess` requires.
+    pub(crate) fn refresh_access(&mut self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        let call = format!("refresh_access({ptr:#x}, {size})");
+        if !ptr.is_multiple_of(self.page_size) || !size.is_multiple_of(self.page_size) {
+            return invalid(format!("{call}: not whole pages"));
+        }
+        let pages: Vec<DevicePtr> = (0..size / self.page_size)
+            .map(|i| ptr + i * self.page_size)
+            .collect();
+        if let Some(p) = pages.iter().find(|p| !self.access.contains_key(p)) {
+            return invalid(format!("{call}: no page is mapped at {p:#x}"));
+        }
+        for p in pages {
+            self.access.insert(p, self.peers.clone());
+        }
+        Ok(())
+    }
+
+    /// The peers that may access the page mapped at `ptr` (None: no page there).
+    pub(crate) fn page_peers(&self, ptr: DevicePtr) -> Option<Vec<i32>> {
+        let base = ptr - ptr % self.page_size;
+        self.access.get(&base).cloned()
     }
 
     pub(crate) fn page_size(&self) -> u64 {
@@ -312,6 +352,7 @@ impl Memory {
         if let Some(p) = self.pages.get_mut(&page) {
             p.mapped_at = Some(ptr);
         }
+        self.access.insert(ptr, self.peers.clone());
         self.mapped += self.page_size;
         Ok(())
     }
@@ -330,6 +371,7 @@ impl Memory {
         if let Some(p) = self.pages.get_mut(&page) {
             p.mapped_at = None;
         }
+        self.access.remove(&ptr);
         self.mapped -= self.page_size;
         Ok(())
     }
