@@ -135,6 +135,50 @@ fn vmm_reserve_map_unmap_remap_release() {
 }
 
 #[test]
+fn peers_and_access_refresh() {
+    let Some((_serial, dev)) = device() else {
+        return;
+    };
+    if !dev.vmm_supported() {
+        println!("skipped: no VMM support");
+        return;
+    }
+    let page = dev.page_size();
+    let base = dev.reserve(2 * page).expect("reserve");
+    let p0 = dev.create_page().expect("create_page");
+    dev.map(base, p0).expect("map");
+    // This device itself: nothing to add. A device that does not exist: an error, no panic.
+    dev.add_peer(0).expect("add_peer(self)");
+    assert!(dev.add_peer(1 << 20).is_err());
+    // Re-applying the access list to a mapped page works and keeps the page usable.
+    dev.refresh_access(base, page)
+        .expect("refresh_access on a mapped page");
+    dev.make_current().expect("make_current");
+    memset(base, 0x5a, page as usize);
+    assert!(read(base, page as usize).iter().all(|&b| b == 0x5a));
+    // An unmapped range is refused by the driver, as an error.
+    assert!(dev.refresh_access(base + page, page).is_err());
+    // With a second device that can reach this one, it becomes a peer of the mapped page.
+    if let Ok(other) = CudaDevice::new(1) {
+        match dev.add_peer(1) {
+            Ok(()) => {
+                dev.refresh_access(base, page)
+                    .expect("refresh_access with a peer");
+                other.make_current().expect("make_current(1)");
+                // Device 1 reads device 0's page through its own context.
+                assert!(read(base, page as usize).iter().all(|&b| b == 0x5a));
+                dev.make_current().expect("make_current(0)");
+            }
+            Err(e) => println!("device 1 cannot reach device 0: {e}"),
+        }
+    }
+    dev.unmap(base).expect("unmap");
+    dev.release_page(p0).expect("release_page");
+    dev.release_reservation(base, 2 * page)
+        .expect("release_reservation");
+}
+
+#[test]
 fn a_run_maps_all_its_pages_or_none() {
     let Some((_serial, dev)) = device() else {
         return;
