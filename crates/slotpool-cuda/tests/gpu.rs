@@ -165,7 +165,8 @@ fn peers_and_access_refresh() {
                 dev.refresh_access(base, page)
                     .expect("refresh_access with a peer");
                 other.make_current().expect("make_current(1)");
-                // Device 1 reads device 0's page through its own context.
+                // The page is intact from device 1's context (a copy only: it shows the access
+                // list took, not a kernel's view, which needs a kernel).
                 assert!(read(base, page as usize).iter().all(|&b| b == 0x5a));
                 dev.make_current().expect("make_current(0)");
             }
