@@ -30,6 +30,16 @@ fn device() -> Option<(MutexGuard<'static, ()>, CudaDevice)> {
     }
 }
 
+/// As [`device`], and skipped as well when the device has no virtual memory management.
+fn vmm_device() -> Option<(MutexGuard<'static, ()>, CudaDevice)> {
+    let (lock, dev) = device()?;
+    if !dev.vmm_supported() {
+        println!("skipped: no VMM support");
+        return None;
+    }
+    Some((lock, dev))
+}
+
 fn current_context() -> usize {
     let mut ctx: CUcontext = ptr::null_mut();
     // SAFETY: `ctx` is a valid out-pointer; the driver is loaded (a CudaDevice exists).
@@ -98,13 +108,9 @@ fn out_of_memory_is_an_error_not_a_panic() {
 
 #[test]
 fn vmm_reserve_map_unmap_remap_release() {
-    let Some((_serial, dev)) = device() else {
+    let Some((_serial, dev)) = vmm_device() else {
         return;
     };
-    if !dev.vmm_supported() {
-        println!("skipped: no VMM support");
-        return;
-    }
     let page = dev.page_size();
     let bytes = page as usize;
     let base = dev.reserve(4 * page).expect("reserve");
@@ -136,13 +142,9 @@ fn vmm_reserve_map_unmap_remap_release() {
 
 #[test]
 fn peers_and_access_refresh() {
-    let Some((_serial, dev)) = device() else {
+    let Some((_serial, dev)) = vmm_device() else {
         return;
     };
-    if !dev.vmm_supported() {
-        println!("skipped: no VMM support");
-        return;
-    }
     let page = dev.page_size();
     let base = dev.reserve(2 * page).expect("reserve");
     let p0 = dev.create_page().expect("create_page");
@@ -181,13 +183,9 @@ fn peers_and_access_refresh() {
 
 #[test]
 fn a_run_maps_all_its_pages_or_none() {
-    let Some((_serial, dev)) = device() else {
+    let Some((_serial, dev)) = vmm_device() else {
         return;
     };
-    if !dev.vmm_supported() {
-        println!("skipped: no VMM support");
-        return;
-    }
     let page = dev.page_size();
     let bytes = page as usize;
     let base = dev.reserve(6 * page).expect("reserve");
@@ -216,13 +214,9 @@ fn a_run_maps_all_its_pages_or_none() {
 
 #[test]
 fn larger_pages_are_multiples_of_the_granularity() {
-    let Some((_serial, mut dev)) = device() else {
+    let Some((_serial, mut dev)) = vmm_device() else {
         return;
     };
-    if !dev.vmm_supported() {
-        println!("skipped: no VMM support");
-        return;
-    }
     let granularity = dev.page_size();
     assert!(matches!(
         dev.set_page_size(granularity + granularity / 2),
@@ -307,13 +301,9 @@ fn caller_context_is_restored() {
 
 #[test]
 fn growth_during_global_capture_keeps_the_capture_valid() {
-    let Some((_serial, dev)) = device() else {
+    let Some((_serial, dev)) = vmm_device() else {
         return;
     };
-    if !dev.vmm_supported() {
-        println!("skipped: no VMM support");
-        return;
-    }
     let stream = dev.create_stream().expect("create_stream");
     dev.make_current().expect("make_current");
     let raw = stream as usize as CUstream;
