@@ -39,6 +39,7 @@ extern cudaError_t cudaStreamCreate(cudaStream_t* stream);
 extern cudaError_t cudaStreamDestroy(cudaStream_t stream);
 extern cudaError_t cudaDeviceSynchronize(void);
 extern cudaError_t cudaMallocManaged(void** devPtr, size_t size, unsigned int flags);
+extern cudaError_t cudaDeviceEnablePeerAccess(int peerDevice, unsigned int flags);
 /* Entry points of programs built with --default-stream per-thread. */
 extern cudaError_t cudaMallocAsync_ptsz(void** devPtr, size_t size, cudaStream_t stream);
 extern cudaError_t cudaFreeAsync_ptsz(void* devPtr, cudaStream_t stream);
@@ -205,6 +206,10 @@ int main(void) {
     rc = cudaMallocManaged(&m, 1 << 20, 1 /* cudaMemAttachGlobal */);
     rc2 = rc == 0 ? cudaFree(m) : -1;
     printf("managed rc=%d free_rc=%d\n", rc, rc2);
+
+    /* Interposed, but the real runtime decides: slotpool only follows a grant that succeeded. */
+    rc = cudaDeviceEnablePeerAccess(1, 0);
+    printf("peer_access rc=%d\n", rc);
 
     cu_mem_alloc_fn cu_alloc = (cu_mem_alloc_fn)dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
     cu_mem_free_fn cu_free = (cu_mem_free_fn)dlsym(RTLD_DEFAULT, "cuMemFree_v2");

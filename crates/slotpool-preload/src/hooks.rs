@@ -235,6 +235,54 @@ unsafe fn real_free(ptr: *mut c_void) -> c_int {
 // ------------------------------------------------------------------------------------------------
 // Runtime API
 
+/// `cudaErrorPeerAccessAlreadyEnabled`: a repeated grant, still a grant.
+const PEER_ACCESS_ALREADY_ENABLED: c_int = 704;
+
+/// Interposed `cudaDeviceEnablePeerAccess`: the real call decides; when it grants (or had
+/// granted) the current device access to `peer_device`'s memory, slotpool's vmm pages on
+/// `peer_device` are opened to the current device as well, which the real call cannot do for
+/// them. The real call's answer is returned either way.
+///
+/// # Safety
+///
+/// As CUDA's `cudaDeviceEnablePeerAccess` (no pointers).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cudaDeviceEnablePeerAccess(peer_device: c_int, flags: u32) -> c_int {
+    let Some(real_fn) = real::cuda_device_enable_peer_access() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: the caller's arguments, unchanged, to the real function of the same prototype.
+    let rc = unsafe { real_fn(peer_device, flags) };
+    if rc == CUDA_SUCCESS || rc == PEER_ACCESS_ALREADY_ENABLED {
+        guard(
+            || {
+                extend_peer_access(peer_device);
+                rc
+            },
+            || rc,
+            rc,
+        )
+    } else {
+        rc
+    }
+}
+
+/// Opens `peer_device`'s slotpool pages to the current device (the CUDA backend only: the
+/// simulated devices are not the real ones).
+fn extend_peer_access(peer_device: c_int) {
+    let Some(sp) = slotpool::get_or_start().filter(|sp| !sp.sim) else {
+        return;
+    };
+    let mut current: c_int = -1;
+    let got = real::cuda_get_device().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| {
+        // SAFETY: a valid out-pointer.
+        unsafe { f(&mut current) }
+    });
+    if got != CUDA_SUCCESS || sp.enable_peer_access(peer_device, current) != Some(0) {
+        report::peer_refused();
+    }
+}
+
 /// Interposed `cudaMalloc`: `size` bytes on the current device, served by slotpool for the legacy
 /// default stream.
 ///

@@ -5,9 +5,10 @@
 //! ```
 //!
 //! serves `cudaMalloc`/`cudaFree`, `cudaMallocAsync`/`cudaFreeAsync` (and their `_ptsz` forms)
-//! and `cuMemAlloc_v2`/`cuMemFree_v2` from slotpool's caching allocator; every other CUDA call,
-//! and every pointer slotpool did not hand out, goes to the real library. `docs/preload.md` is the
-//! user guide.
+//! and `cuMemAlloc_v2`/`cuMemFree_v2` from slotpool's caching allocator, and extends
+//! `cudaDeviceEnablePeerAccess` to slotpool's mapped pages; every other CUDA call, and every
+//! pointer slotpool did not hand out, goes to the real library. `docs/preload.md` is the user
+//! guide.
 //!
 //! This library is a thin forwarder and holds no allocator: the allocator is the one in
 //! `libslotpool.so`, opened at the first allocation call, so that a process that also loads the

@@ -120,6 +120,9 @@ real_fns! {
     /// `cudaError_t cudaStreamGetDevice(cudaStream_t hStream, int* device)`.
     fn cuda_stream_get_device: Runtime c"cudaStreamGetDevice" =>
         unsafe extern "C" fn(Stream, *mut c_int) -> c_int;
+    /// `cudaError_t cudaDeviceEnablePeerAccess(int peerDevice, unsigned int flags)`.
+    fn cuda_device_enable_peer_access: Runtime c"cudaDeviceEnablePeerAccess" =>
+        unsafe extern "C" fn(c_int, u32) -> c_int;
     /// `cudaError_t cudaDeviceSynchronize(void)`.
     fn cuda_device_synchronize: Runtime c"cudaDeviceSynchronize" =>
         unsafe extern "C" fn() -> c_int;

@@ -38,6 +38,7 @@ static PASSED_FREES: Counter = Counter::new();
 static OUT_OF_MEMORY: Counter = Counter::new();
 static REFUSED_FREES: Counter = Counter::new();
 static PANICS: Counter = Counter::new();
+static PEER_REFUSED: Counter = Counter::new();
 
 #[repr(align(64))]
 struct Bytes {
@@ -101,6 +102,12 @@ pub fn panic_caught() {
     PANICS.add();
 }
 
+/// CUDA granted peer access but slotpool could not open its pages to the peer.
+#[cold]
+pub fn peer_refused() {
+    PEER_REFUSED.add();
+}
+
 /// Formats a byte count for people (binary units, one decimal).
 fn human(bytes: i64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -160,6 +167,13 @@ pub fn summary() -> Option<String> {
     if refused > 0 {
         line.push_str(&format!(
             "; refused {refused} frees of slotpool memory that was not live (double frees)"
+        ));
+    }
+    let peer = PEER_REFUSED.get();
+    if peer > 0 {
+        line.push_str(&format!(
+            "; {peer} peer grants not extended to slotpool's pages (kernels on the peer cannot \
+             read them)"
         ));
     }
     let panics = PANICS.get();

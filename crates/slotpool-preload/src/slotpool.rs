@@ -124,6 +124,7 @@ type SpRecordStream = unsafe extern "C" fn(*mut c_void, u64) -> c_int;
 type SpSnapshotJson = unsafe extern "C" fn(c_int, *mut *mut c_char, *mut usize) -> c_int;
 type SpStringFree = unsafe extern "C" fn(*mut c_char) -> c_int;
 type SpMemoryPeaks = unsafe extern "C" fn(c_int, *mut u64, *mut u64) -> c_int;
+type SpEnablePeerAccess = unsafe extern "C" fn(c_int, c_int) -> c_int;
 type SpAllocationInfo = unsafe extern "C" fn(
     *mut c_void,
     *mut *mut c_void,
@@ -152,9 +153,18 @@ pub struct Slotpool {
     snapshot_json: SpSnapshotJson,
     string_free: SpStringFree,
     memory_peaks: SpMemoryPeaks,
+    /// Absent from a `libslotpool.so` older than this library: peer grants then stop at CUDA.
+    enable_peer_access: Option<SpEnablePeerAccess>,
 }
 
 impl Slotpool {
+    /// Let device `peer` reach `device`'s vmm pages (`sp_enable_peer_access`); the status, or
+    /// `None` when this `libslotpool.so` cannot.
+    pub fn enable_peer_access(&self, device: c_int, peer: c_int) -> Option<c_int> {
+        // SAFETY: sp_enable_peer_access takes any two ints and validates them.
+        self.enable_peer_access.map(|f| unsafe { f(device, peer) })
+    }
+
     /// Exact device-wide (allocated, reserved) peaks of `device`; `None` if slotpool refuses.
     pub fn peaks(&self, device: c_int) -> Option<(u64, u64)> {
         let (mut a, mut r) = (0u64, 0u64);
@@ -553,6 +563,8 @@ fn start() -> Result<Slotpool, String> {
         snapshot_json,
         string_free,
         memory_peaks,
+        // SAFETY: see above.
+        enable_peer_access: unsafe { symbol(h, c"sp_enable_peer_access") }.ok(),
     })
 }
 

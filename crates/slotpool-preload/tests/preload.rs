@@ -24,9 +24,10 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 /// The names the preload library exports: the interposed functions and nothing else.
-const EXPORTS: [&str; 8] = [
+const EXPORTS: [&str; 9] = [
     "cuMemAlloc_v2",
     "cuMemFree_v2",
+    "cudaDeviceEnablePeerAccess",
     "cudaFree",
     "cudaFreeAsync",
     "cudaFreeAsync_ptsz",
@@ -424,6 +425,7 @@ fn sim_backend_serves_every_interposed_call() {
         "double_free",
         "free_foreign",
         "managed",
+        "peer_access",
     ] {
         assert_eq!(sim.rc(line), base.rc(line), "{line} passes through: {ctx}");
     }
