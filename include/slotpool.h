@@ -244,8 +244,8 @@ sp_status sp_empty_cache(int device);
 
 /** Gives device peer read and write access to device's memory: its vmm pages, mapped now and
  *  later, as cudaDeviceEnablePeerAccess does for cudaMalloc memory (which classic segments are,
- *  so that call is still needed for them). A device not used yet gets it when first used; peer ==
- *  device does nothing. Errors: SP_ERR_INVALID_ARGUMENT (a bad device or peer), SP_ERR_DEVICE
+ *  so that call is still needed for them). A device not used yet gets it when first used (a
+ *  refusal then is logged, and the device works without it); peer == device does nothing. Errors: SP_ERR_INVALID_ARGUMENT (a bad device or peer), SP_ERR_DEVICE
  *  (peer cannot access device's memory, or the driver refused). */
 sp_status sp_enable_peer_access(int device, int peer);
 

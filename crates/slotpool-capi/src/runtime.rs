@@ -469,7 +469,11 @@ impl Runtime {
             each!(&alloc, a => a.record_history(pending.history));
         }
         for &(_, peer) in pending.peers.iter().filter(|&&(d, _)| d == i) {
-            each!(&alloc, a => a.enable_peer_access(peer))?;
+            // A grant made before the device was used was not checked then; refused now, it
+            // must not cost the device its allocator.
+            if let Err(e) = each!(&alloc, a => a.enable_peer_access(peer)) {
+                tracing::warn!(device = i, peer, error = %e, "peer access refused");
+            }
         }
         tracing::debug!(
             device = i,
