@@ -37,19 +37,13 @@ impl Shard {
             let SegmentKind::Vmm(pt) = &seg.kind else {
                 continue;
             };
-            let mut start = None;
-            for p in 0..=pt.handle.len() {
-                match (pt.is_mapped(p), start) {
-                    (true, None) => start = Some(p),
-                    (false, Some(first)) => {
-                        runs.push((
-                            seg.addr + first as u64 * page_size,
-                            (p - first) as u64 * page_size,
-                        ));
-                        start = None;
-                    }
-                    _ => {}
+            let mut first = 0u64;
+            for run in pt.handle.chunk_by(|a, b| a.is_some() == b.is_some()) {
+                let len = run.len() as u64;
+                if run[0].is_some() {
+                    runs.push((seg.addr + first * page_size, len * page_size));
                 }
+                first += len;
             }
         }
         runs
