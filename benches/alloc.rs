@@ -11,8 +11,9 @@
 //!   (wall time / pairs of one thread); the throughput line is the aggregate in pairs/s. A summary
 //!   with the ratio to one thread is printed at the end.
 //! - `threads_classic/<n>`: the same in classic growth mode.
-//! - `threads_64MiB/<n>`: the same with 64 MiB pairs (vmm), which every thread counts in the
-//!   device-wide allocated counter: what limits large pairs on many threads.
+//! - `threads_64MiB/<n>`: the same with 64 MiB pairs (vmm): larger than a shard's credit, so each
+//!   pair goes through the shard's lease (`slotpool_core::peak`); before leases, through the one
+//!   device-wide allocated counter, which every thread then wrote.
 //!
 //! Run: `cargo bench --bench alloc -- --noplot`.
 
@@ -334,8 +335,8 @@ fn bench_threads_classic(c: &mut Criterion) {
     bench_threads_in(c, "threads_classic", GrowthMode::Classic, MIB);
 }
 
-/// `threads_64MiB/<n>`: large pairs, which every thread counts in the device-wide allocated
-/// counter (a small pair stays within its shard's credit).
+/// `threads_64MiB/<n>`: large pairs, which go beyond a shard's credit into its lease (a small
+/// pair stays within the credit).
 fn bench_threads_large(c: &mut Criterion) {
     bench_threads_in(c, "threads_64MiB", GrowthMode::Vmm, 64 * MIB);
 }

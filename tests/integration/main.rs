@@ -2,6 +2,7 @@
 
 mod common;
 mod model;
+mod peaks;
 mod quick;
 mod retained;
 mod scenarios;

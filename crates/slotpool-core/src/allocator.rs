@@ -543,6 +543,7 @@ impl<D: Device> Allocator<D> {
             return Ok(cell.clone());
         }
         let mut shard = Shard::new(pool, stream, entry.options.no_split, &self.config.policy);
+        shard.lease = self.shared.allocated.new_lease();
         shard.quick_off = entry.checkpoints.iter().any(|c| c.strong_count() > 0);
         let cell = Arc::new(ShardCell {
             shard: crate::sync::ShardMutex::new(shard),
@@ -583,6 +584,7 @@ impl<D: Device> Allocator<D> {
                 return true;
             }
             s.settle_credit(&self.env(&cell.pool_budget));
+            self.shared.allocated.end_lease(&s.lease);
             false
         });
         if shards.len() != before {
@@ -1040,7 +1042,8 @@ impl<D: Device> Allocator<D> {
     /// 2. no two segments of any shards overlap;
     /// 3. physical bytes held equal classic segments + mapped pages + cached pages;
     /// 4. each pool's budget equals what its shards hold;
-    /// 5. the device-wide allocated counter equals the shards' allocated bytes plus their credits.
+    /// 5. the device-wide allocated counter equals the shards' allocated bytes plus their credits
+    ///    and leases.
     pub fn check_invariants(&self) -> Result<(), String> {
         let _reclaim = lock(&self.reclaim);
         let ps = self.shared.page_size;
@@ -1058,7 +1061,7 @@ impl<D: Device> Allocator<D> {
             s.check_invariants(ps)
                 .map_err(|e| format!("shard {pool}/{stream}: invariant {e}"))?;
             let reserved = s.stats.reserved_bytes.all().current as u64;
-            allocated += s.stats.allocated_bytes.all().current + s.peak_credit;
+            allocated += s.stats.allocated_bytes.all().current + s.peak_credit + s.lease.get();
             held += reserved;
             *per_pool.entry(pool).or_default() += reserved;
             let reg = self.segments.read().unwrap_or_else(|e| e.into_inner());

@@ -2,10 +2,11 @@
 //! the device-wide pools of physical pages and events.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::GrowthMode;
 use crate::device::{Device, DeviceError, DeviceResult, EventHandle, PageHandle};
+use crate::peak::PeakCounter;
 use crate::policy::{SMALL_BUFFER, SizePolicy};
 use crate::sync::lock;
 
@@ -65,39 +66,6 @@ impl Budget {
 
     pub fn release(&self, bytes: u64) {
         self.held.fetch_sub(bytes, Ordering::Relaxed);
-    }
-}
-
-/// A device-wide byte count with an exact peak. Shard statistics are exact per shard, but the sum
-/// of per-shard peaks overstates the device's peak whenever several shards are active; this one
-/// counter, updated by every shard, gives `max_memory_allocated` exactly.
-#[derive(Debug, Default)]
-pub struct PeakCounter {
-    current: AtomicI64,
-    peak: AtomicI64,
-}
-
-impl PeakCounter {
-    #[inline]
-    pub fn add(&self, delta: i64) {
-        let now = self.current.fetch_add(delta, Ordering::Relaxed) + delta;
-        // The fetch_adds are totally ordered, so the largest value any of them produced is the
-        // exact peak of the running sum.
-        if delta > 0 && now > self.peak.load(Ordering::Relaxed) {
-            self.peak.fetch_max(now, Ordering::Relaxed);
-        }
-    }
-
-    pub fn current(&self) -> i64 {
-        self.current.load(Ordering::Relaxed)
-    }
-
-    pub fn peak(&self) -> i64 {
-        self.peak.load(Ordering::Relaxed).max(self.current())
-    }
-
-    pub fn reset_peak(&self) {
-        self.peak.store(self.current(), Ordering::Relaxed);
     }
 }
 
@@ -163,8 +131,8 @@ pub struct Shared {
     pub policy: SizePolicy,
     pub growth: GrowthMode,
     pub budget: Budget,
-    /// Allocated bytes on the whole device (exact peak). On its own cache line: every large
-    /// allocation writes it, and the fields around it are read by every call on every thread.
+    /// Allocated bytes on the whole device, for its peak ([`crate::peak`]). On its own cache
+    /// line: growth writes it, and the fields around it are read by every call on every thread.
     pub allocated: crossbeam_utils::CachePadded<PeakCounter>,
     pub pages: PagePool,
     pub events: EventPool,

@@ -29,6 +29,7 @@ pub mod env;
 pub mod error;
 pub mod history;
 pub mod id_slab;
+pub mod peak;
 pub mod peer;
 pub mod policy;
 pub mod pool;

@@ -2,6 +2,7 @@
 //! machine. The lock is one layer up, in [`crate::Allocator`]; nothing here is shared.
 
 use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
@@ -15,6 +16,7 @@ use crate::config::GrowthMode;
 use crate::device::{DeviceError, DevicePtr, EventHandle, PageHandle, StreamId};
 use crate::env::Env;
 use crate::history::TraceAction;
+use crate::peak::{CREDIT_MAX, Lease};
 use crate::policy::{self, SizePolicy};
 use crate::pool::PoolId;
 use crate::stats::MemoryStats;
@@ -104,8 +106,11 @@ pub struct Shard {
     /// Segments added (true) or released (false) since the allocator last looked: (addr, size).
     pub(crate) seg_log: Vec<(DevicePtr, u64, bool)>,
     /// Bytes counted in the device-wide allocated counter beyond this shard's allocated bytes:
-    /// freed here and not yet handed back, at most [`PEAK_CREDIT_MAX`] (see `count_allocated`).
+    /// freed here and kept for its next allocations, at most [`CREDIT_MAX`] (see
+    /// [`crate::peak`]).
     pub(crate) peak_credit: i64,
+    /// Freed bytes beyond the credit, still counted device-wide; other shards may take them back.
+    pub(crate) lease: Arc<Lease>,
     /// Blocks freed on this stream and kept whole, most recent last: (size, block). A request of
     /// exactly a cached size takes one back without touching the free index, the slab or the
     /// vmm page counts, which is most of an alloc + free pair's cost. Anything that needs the
@@ -126,11 +131,6 @@ pub struct Shard {
 pub(crate) const QUICK_MAX: usize = 16;
 const QUICK_CREDIT_MAX: i32 = 16;
 const QUICK_PROBE_EVERY: i32 = 64;
-
-/// Freed bytes a shard may keep counted in the device-wide allocated counter, so that alloc/free
-/// loops of up to this size never touch that shared counter (one contended cache line costs
-/// 16 threads most of their throughput).
-pub(crate) const PEAK_CREDIT_MAX: i64 = 2 << 20;
 
 impl Shard {
     pub fn new(pool: PoolId, stream: StreamId, no_split: bool, policy: &SizePolicy) -> Self {
@@ -160,6 +160,7 @@ impl Shard {
             live: FxHashMap::default(),
             seg_log: Vec::new(),
             peak_credit: 0,
+            lease: Arc::default(),
             quick: Vec::new(),
             quick_off: false,
             quick_credit: QUICK_CREDIT_MAX,
@@ -1206,24 +1207,44 @@ impl Shard {
         out
     }
 
-    /// Report `delta` allocated bytes to the device-wide counter ([`crate::env::PeakCounter`]),
-    /// through this shard's credit. The counter reads allocated bytes plus every shard's credit,
-    /// and it only grows when a shard has no credit left, at which moment that shard adds
-    /// nothing extra: its peak is exact for one shard, and overstates the device's true peak by
-    /// at most the other active shards' credits ([`PEAK_CREDIT_MAX`] each).
+    /// Report `delta` allocated bytes to the device-wide counter ([`crate::peak::PeakCounter`])
+    /// through this shard's credit and lease: small pairs stay within the credit, large ones
+    /// within the lease, and only growth beyond what the shard freed reaches the shared counter.
     #[inline]
     pub(crate) fn count_allocated(&mut self, env: &Env<'_>, delta: i64) {
         self.peak_credit -= delta;
-        // Out of credit: claim what is missing. Over the cap: hand it all back.
-        if !(0..=PEAK_CREDIT_MAX).contains(&self.peak_credit) {
-            env.allocated.add(-self.peak_credit);
-            self.peak_credit = 0;
+        if !(0..=CREDIT_MAX).contains(&self.peak_credit) {
+            self.rebalance_credit(env);
         }
     }
 
-    /// Hand the credit back (the shard is about to be dropped).
+    /// The credit left its range: over it, everything goes to the lease (where another shard
+    /// reaching a peak can take it back); under it, the lease pays first, then the counter.
+    #[inline(never)]
+    fn rebalance_credit(&mut self, env: &Env<'_>) {
+        if self.peak_credit > CREDIT_MAX {
+            self.lease.give(self.peak_credit);
+            self.peak_credit = 0;
+            return;
+        }
+        let need = -self.peak_credit;
+        let got = self.lease.take();
+        if got >= need {
+            self.peak_credit = got - need;
+            if self.peak_credit > CREDIT_MAX {
+                self.lease.give(self.peak_credit);
+                self.peak_credit = 0;
+            }
+        } else {
+            self.peak_credit = 0;
+            env.allocated.add(need - got);
+        }
+    }
+
+    /// Hand the credit and the lease back (peaks are being reset, or the shard is dropped).
     pub(crate) fn settle_credit(&mut self, env: &Env<'_>) {
-        env.allocated.add(-self.peak_credit);
+        let bytes = self.peak_credit + self.lease.take();
+        env.allocated.add(-bytes);
         self.peak_credit = 0;
     }
 
