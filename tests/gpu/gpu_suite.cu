@@ -396,6 +396,75 @@ static void host_cost() {
   report("host_cost", one <= 100.0 && agg >= 8.0, buf);
 }
 
+// 7. Large pairs (64 MiB): beyond a shard's credit, so each pair spends the shard's lease; before
+// leases, every thread wrote one device-wide counter and 16 threads scaled 1.4-2.3x.
+static void host_cost_large() {
+  double one = median_pairs_ns(1, 200000, 64 << 20);
+  double sixteen = median_pairs_ns(16, 50000, 64 << 20);
+  double agg = 16.0 * one / sixteen;
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "\"ns_per_pair_1t\": %.1f, \"ns_per_pair_16t\": %.1f, \"aggregate_speedup_16t\": %.2f", one, sixteen, agg);
+  report("host_cost_64MiB", agg >= 8.0, buf);
+}
+
+// 8. Peer access (two GPUs): kernels on device 1 read device 0's vmm memory, mapped before and
+// after sp_enable_peer_access(0, 1), and find every word; device 1's own memory is filled from
+// device 0 the other way round. Skipped with one device.
+static void peer_access() {
+  int n = 0;
+  CK(cudaGetDeviceCount(&n));
+  int can = 0;
+  if (n >= 2) CK(cudaDeviceCanAccessPeer(&can, 1, 0));
+  if (n < 2 || !can) {
+    report("peer_access", true, n < 2 ? "\"skipped\": \"one device\"" : "\"skipped\": \"no peer access between 0 and 1\"");
+    return;
+  }
+  const size_t before_sz = 24 << 20, after_sz = 40 << 20, own_sz = 8 << 20;
+  CK(cudaSetDevice(0));
+  void *before = nullptr, *after = nullptr, *own = nullptr;
+  bool ok = sp_alloc(0, before_sz, 0, &before) == SP_OK;
+  if (ok) fill<<<256, 256>>>((uint32_t*)before, before_sz / 4, 11);
+  sp_status grant = sp_enable_peer_access(0, 1);
+  sp_status back = sp_enable_peer_access(1, 0);
+  ok = ok && grant == SP_OK && back == SP_OK && sp_alloc(0, after_sz, 0, &after) == SP_OK;
+  if (ok) fill<<<256, 256>>>((uint32_t*)after, after_sz / 4, 12);
+  CK(cudaDeviceSynchronize());
+  CK(cudaSetDevice(1));
+  ok = ok && sp_alloc(1, own_sz, 0, &own) == SP_OK;
+  unsigned long long* bad = nullptr;
+  CK(cudaMalloc(&bad, sizeof *bad));
+  CK(cudaMemset(bad, 0, sizeof *bad));
+  cudaError_t kerr = cudaSuccess;
+  if (ok) {
+    verify<<<256, 256>>>((const uint32_t*)before, before_sz / 4, 11, bad);
+    verify<<<256, 256>>>((const uint32_t*)after, after_sz / 4, 12, bad);
+    kerr = cudaDeviceSynchronize();
+  }
+  unsigned long long h = 0;
+  if (kerr == cudaSuccess) CK(cudaMemcpy(&h, bad, sizeof h, cudaMemcpyDeviceToHost));
+  // Device 0 writes device 1's slotpool memory; device 1 checks it.
+  if (ok && kerr == cudaSuccess) {
+    CK(cudaSetDevice(0));
+    fill<<<256, 256>>>((uint32_t*)own, own_sz / 4, 13);
+    kerr = cudaDeviceSynchronize();
+    CK(cudaSetDevice(1));
+    if (kerr == cudaSuccess) {
+      verify<<<256, 256>>>((const uint32_t*)own, own_sz / 4, 13, bad);
+      kerr = cudaDeviceSynchronize();
+      if (kerr == cudaSuccess) CK(cudaMemcpy(&h, bad, sizeof h, cudaMemcpyDeviceToHost));
+    }
+  }
+  cudaFree(bad);
+  if (own) sp_free(own);
+  CK(cudaSetDevice(0));
+  if (before) sp_free(before);
+  if (after) sp_free(after);
+  char buf[300];
+  std::snprintf(buf, sizeof buf, "\"grant\": %d, \"grant_back\": %d, \"kernel\": \"%s\", \"mismatched_words\": %llu",
+                (int)grant, (int)back, cudaGetErrorString(kerr), h);
+  report("peer_access", ok && kerr == cudaSuccess && h == 0, buf);
+}
+
 int main() {
   if (sp_init(getenv("SLOTPOOL_BACKEND") ? getenv("SLOTPOOL_BACKEND") : "cuda", "") != SP_OK) {
     std::printf("{\"test\": \"init\", \"ok\": false, \"error\": \"%s\"}\n", sp_err().c_str());
@@ -420,6 +489,10 @@ int main() {
   oom_at_limit();
   invariants("oom_at_limit");
   host_cost();
+  host_cost_large();
+  invariants("host_cost_64MiB");
+  peer_access();
+  invariants("peer_access");
   capture_routing();
   invariants("capture_routing");
   graph_retained_memory();
