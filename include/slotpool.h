@@ -170,10 +170,13 @@ const char* sp_last_error_message(void);
  *  environment. Must come before any other call that initialises.
  *  backend: "cuda", "sim" or "auto" (CUDA if device 0 can be opened, else the simulated
  *           device); NULL = $SLOTPOOL_BACKEND, else "auto".
- *  conf:    "key:value,..." applied over $SLOTPOOL_CONF (conf wins); NULL = "". Keys: growth
- *           (vmm|classic), expandable_segments, max_split_size_mb, max_non_split_rounding_mb,
+ *  conf:    "key:value,..." applied over $SLOTPOOL_CONF (conf wins), both over the defaults
+ *           "vmm_slack_percent:8,vmm_page_mb:16"; NULL = "". Keys: growth (vmm|classic),
+ *           expandable_segments, max_split_size_mb, max_non_split_rounding_mb,
  *           large_segment_size_mb, roundup_power2_divisions, memory_limit_mb,
- *           per_process_memory_fraction, vmm_reservation_mb; for the sim backend also
+ *           per_process_memory_fraction, vmm_reservation_mb, vmm_slack_percent (idle mapped
+ *           memory kept, in percent of live bytes; 0: physical memory follows live bytes),
+ *           vmm_page_mb (vmm page size, a multiple of the device's); for the sim backend also
  *           sim_memory_mb (per device, default 81920), sim_devices (1..64, default 1) and
  *           sim_auto_complete (0|1, default 1: streams complete at once). sim_* keys are
  *           ignored by the cuda backend.

@@ -94,9 +94,10 @@ if has torch_uncached; then
   fi
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 LD_PRELOAD=$LIB/libslotpool_preload.so SLOTPOOL_BACKEND=cuda \
     SLOTPOOL_LOG=info OUT=$OUT run gpt2_preload 400 python3 benches/gpu/trace_workloads.py gpt2_train
+  # Physical memory following live bytes exactly (no slack, 2 MiB pages: the old defaults).
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 LD_PRELOAD=$LIB/libslotpool_preload.so SLOTPOOL_BACKEND=cuda \
-    SLOTPOOL_CONF=vmm_slack_percent:8 SLOTPOOL_LOG=info OUT=$OUT \
-    run gpt2_preload_slack8 400 python3 benches/gpu/trace_workloads.py gpt2_train
+    SLOTPOOL_CONF=vmm_slack_percent:0,vmm_page_mb:2 SLOTPOOL_LOG=info OUT=$OUT \
+    run gpt2_preload_exact 400 python3 benches/gpu/trace_workloads.py gpt2_train
 fi
 
 if has vmm_sizes; then

@@ -466,7 +466,10 @@ static void peer_access() {
 }
 
 int main() {
-  if (sp_init(getenv("SLOTPOOL_BACKEND") ? getenv("SLOTPOOL_BACKEND") : "cuda", "") != SP_OK) {
+  // Physical memory follows live bytes exactly (no slack, 2 MiB pages, not the defaults): the
+  // page-reuse and OOM tests below are written for it, and it moves pages the most.
+  if (sp_init(getenv("SLOTPOOL_BACKEND") ? getenv("SLOTPOOL_BACKEND") : "cuda",
+              "vmm_slack_percent:0,vmm_page_mb:2") != SP_OK) {
     std::printf("{\"test\": \"init\", \"ok\": false, \"error\": \"%s\"}\n", sp_err().c_str());
     return 1;
   }

@@ -62,14 +62,11 @@ def load(verbose: bool = False):
     return _ext
 
 
-# What PyTorch programs get unless conf= or $SLOTPOOL_CONF says otherwise (docs/benchmarks.md has the
-# measurements). A training step frees and re-allocates most of its memory in a shifting pattern;
-# with no slack, physical memory follows live bytes exactly and every shift remaps pages. A little
-# idle memory per (pool, stream) absorbs that; captures never use it. Growth costs ~33 us per
-# page on the H200 whatever the page size, so 16 MiB pages make a step that reaches a new peak
-# (llama_train's second step) 8x cheaper than 2 MiB ones; small blocks then take 2 MiB classic
-# segments. With both, the replays of gpt2_train and llama_train stay below PyTorch's expandable
-# segments in peak reserved.
+# slotpool's defaults, beneath $SLOTPOOL_CONF and conf= (`DEFAULT_CONF` of the C ABI's runtime,
+# which has the reasons): a training step frees and re-allocates most of its memory in a shifting
+# pattern, and a little idle memory per (pool, stream) absorbs the shifts that would otherwise remap
+# pages (captures never keep it); 16 MiB pages make growth 8x cheaper than 2 MiB ones. Kept here
+# for reading only: the library applies them.
 DEFAULT_CONF = "vmm_slack_percent:8,vmm_page_mb:16"
 
 
@@ -78,14 +75,12 @@ def install(backend: str | None = "cuda", conf: str | None = None, verbose: bool
     tensor, torch.cuda.init(), torch.cuda.current_device(), ...). Idempotent.
 
     backend: slotpool's backend ("cuda"; None: $SLOTPOOL_BACKEND). conf: slotpool's configuration
-    string ("key:value,...", over $SLOTPOOL_CONF; PyTorch's PYTORCH_CUDA_ALLOC_CONF does not apply);
-    with neither, DEFAULT_CONF.
+    string ("key:value,...", over $SLOTPOOL_CONF, over DEFAULT_CONF; PyTorch's PYTORCH_CUDA_ALLOC_CONF
+    does not apply).
     """
     ext = load(verbose=verbose)
     if ext.is_installed():
         return
-    if conf is None and not os.environ.get("SLOTPOOL_CONF"):
-        conf = DEFAULT_CONF
     if torch.cuda.is_initialized():
         raise RuntimeError(
             "slotpool_torch.install() must run before CUDA is initialised, but CUDA is already "
