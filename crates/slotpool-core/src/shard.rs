@@ -1219,7 +1219,8 @@ impl Shard {
     }
 
     /// The credit left its range: over it, everything goes to the lease (where another shard
-    /// reaching a peak can take it back); under it, the lease pays first, then the counter.
+    /// reaching a peak can take it back); under it, the lease pays first (what is left of it
+    /// refills the credit), then the counter.
     #[inline(never)]
     fn rebalance_credit(&mut self, env: &Env<'_>) {
         if self.peak_credit > CREDIT_MAX {
@@ -1230,10 +1231,12 @@ impl Shard {
         let need = -self.peak_credit;
         let got = self.lease.take();
         if got >= need {
-            self.peak_credit = got - need;
-            if self.peak_credit > CREDIT_MAX {
-                self.lease.give(self.peak_credit);
-                self.peak_credit = 0;
+            // Keep a credit's worth: the allocations that follow a large free then spend it
+            // without a read-modify-write each.
+            let spare = got - need;
+            self.peak_credit = spare.min(CREDIT_MAX);
+            if spare > CREDIT_MAX {
+                self.lease.give(spare - CREDIT_MAX);
             }
         } else {
             self.peak_credit = 0;
