@@ -6,7 +6,7 @@
 //! 3. one shard (never two at once, except checkpoint and restore, which lock a pool's shards in
 //!    stream order while holding `reclaim`)
 //! 4. `Allocator::segments` (the segment registry; written under a shard's lock)
-//! 5. `PagePool` / `EventPool` (leaf locks)
+//! 5. `PagePool` / `EventPool` / the lease list of `PeakCounter` (leaf locks)
 
 use std::sync::{Mutex, MutexGuard};
 
