@@ -241,6 +241,12 @@ sp_status sp_record_stream(void* ptr, uint64_t stream);
 sp_status sp_allocation_info(void* ptr, void** base, size_t* size, size_t* requested,
                              int* device);
 
+/** Describes the segment that holds the live allocation starting at ptr: *base and *size its
+ *  address range, *vmm 1 for a vmm reservation, 0 for a classic segment (one cuMemAlloc
+ *  allocation, which cudaIpcGetMemHandle can share; offset = ptr - base). All three out-pointers
+ *  are required. Errors: SP_ERR_INVALID_ARGUMENT, SP_ERR_UNKNOWN_POINTER. */
+sp_status sp_segment_info(void* ptr, void** base, size_t* size, int* vmm);
+
 /** Returns the unused cached memory of device (-1: every device) to the backend
  *  (torch.cuda.empty_cache). Pools still in use keep theirs (live graphs may reference it). */
 sp_status sp_empty_cache(int device);

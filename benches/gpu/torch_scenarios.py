@@ -65,6 +65,23 @@ def child_setup(alloc):
     return None
 
 
+def ipc_receiver(alloc, q_in, q_out):
+    """A process that receives CUDA tensors (torch.multiprocessing, spawned), under `alloc`."""
+    try:
+        child_setup(alloc)
+        import torch
+        t = q_in.get(timeout=120)
+        want = torch.arange(t.numel(), dtype=torch.float32, device=t.device)
+        ok = bool(torch.equal(t, want))
+        t[0] = -1.0  # the sender sees this write
+        torch.cuda.synchronize()
+        del t
+        q_out.put("ok" if ok else "received different values")
+    except Exception as e:  # noqa: BLE001 - reported to the sender
+        q_out.put("receiver: " + err_str(e))
+    q_in.get(timeout=120)  # the sender is done
+
+
 def c_build(alloc, arg):
     import torch
     sys.path.insert(0, PLUGIN)
@@ -364,6 +381,35 @@ def c_api(alloc, arg):
         free, total = torch.cuda.mem_get_info()
         assert 0 < free <= total
 
+    def ipc():
+        # torch.multiprocessing: a CUDA tensor sent to a spawned process, which opens the
+        # handle with its own allocator (PyTorch's, and slotpool's under slotpool), checks the
+        # values and writes one; classic-segment memory only (vmm raises, with advice).
+        import torch.multiprocessing as tmp
+        ctx = tmp.get_context("spawn")
+        for receiver in (["native", "slotpool"] if slot else ["native"]):
+            t = torch.arange(64 * 1024, dtype=torch.float32, device=dev)  # 256 KiB
+            q_in, q_out = ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=ipc_receiver, args=(receiver, q_in, q_out))
+            p.start()
+            try:
+                q_in.put(t)
+                r = q_out.get(timeout=180)
+            finally:
+                q_in.put("done")
+                p.join(timeout=60)
+            assert r == "ok", f"receiver {receiver}: {r}"
+            torch.cuda.synchronize()
+            assert float(t[0]) == -1.0, f"receiver {receiver}: its write did not arrive"
+        if slot:
+            big = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
+            try:
+                big.untyped_storage()._share_cuda_()
+            except RuntimeError as e:
+                assert "growth:classic" in str(e), str(e)
+            else:
+                return "sharing vmm memory did not raise"
+
     def multi_gpu():
         if torch.cuda.device_count() < 2:
             return "skipped: one device"
@@ -537,7 +583,7 @@ def c_api(alloc, arg):
               ("snapshot", snapshot), ("record_history", record_history), ("graph", graph),
               ("graph_side_stream", graph_side_stream), ("graph_shared_pool", graph_shared_pool),
               ("graphed_callables", graphed_callables), ("cudnn_benchmark", cudnn_bench),
-              ("memory_fraction", fraction), ("mem_get_info", mem_get_info), ("multi_gpu", multi_gpu),
+              ("memory_fraction", fraction), ("mem_get_info", mem_get_info), ("multi_gpu", multi_gpu), ("ipc", ipc),
               ("sp_named_pool", sp_named_pool), ("sp_checkpoint_restore", sp_checkpoint_restore),
               ("sp_arena", sp_arena), ("sp_variants_small", sp_variants_small),
               ("sp_mark_reusable", sp_mark_reusable),

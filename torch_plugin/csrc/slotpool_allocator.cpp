@@ -19,6 +19,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <iterator>
 #include <sstream>
 #include <string_view>
@@ -1302,18 +1303,73 @@ void SlotpoolAllocator::attachAllocatorTraceTracker(CCA::AllocatorTraceTracker t
   trace_trackers_.push_back(std::move(tracker));
 }
 
+// CUDA IPC (torch.multiprocessing) in PyTorch's handle format, version 2: a version byte, 'c',
+// then the cudaIpcMemHandle_t of a cudaMalloc'd segment's base; the block's offset travels beside
+// it. slotpool's classic segments are such allocations, so any receiver (PyTorch's allocator or
+// slotpool) opens them. vmm reservations are not: cudaIpcGetMemHandle refuses them, and
+// PyTorch's expandable-segment handles ('e') are neither produced nor opened here.
+namespace {
+constexpr char kIpcHandleVersion = 2;
+constexpr char kIpcCudaMalloc = 'c';
+constexpr char kIpcExpandable = 'e';
+}  // namespace
+
 CCA::ShareableHandle SlotpoolAllocator::shareIpcHandle(void* ptr) {
-  (void)ptr;
-  TORCH_CHECK(false,
-              "slotpool does not support CUDA IPC (shareIpcHandle): sharing CUDA tensors between "
-              "processes needs PyTorch's native allocator for now.");
+  void* base = nullptr;
+  size_t size = 0;
+  int vmm = 0;
+  check(sp_segment_info(ptr, &base, &size, &vmm), "sp_segment_info");
+  TORCH_CHECK(vmm == 0,
+              "slotpool: this tensor lives in vmm memory, which CUDA IPC cannot share "
+              "(cudaIpcGetMemHandle needs cudaMalloc memory). Processes that share CUDA tensors "
+              "can run slotpool with growth:classic (SLOTPOOL_CONF or "
+              "slotpool_torch.install(conf=...)); with the default 16 MiB vmm pages, blocks of "
+              "1 MiB or less are classic already.");
+  cudaIpcMemHandle_t handle;
+  C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, base));
+  std::string bytes;
+  bytes.reserve(2 + sizeof handle);
+  bytes.push_back(kIpcHandleVersion);
+  bytes.push_back(kIpcCudaMalloc);
+  bytes.append(reinterpret_cast<const char*>(&handle), sizeof handle);
+  return CCA::ShareableHandle{static_cast<char*>(ptr) - static_cast<char*>(base),
+                              std::move(bytes)};
 }
 
 std::shared_ptr<void> SlotpoolAllocator::getIpcDevPtr(std::string handle) {
-  (void)handle;
-  TORCH_CHECK(false,
-              "slotpool does not support CUDA IPC (getIpcDevPtr): receiving CUDA tensors from "
-              "other processes needs PyTorch's native allocator for now.");
+  TORCH_CHECK(handle.size() >= 2 && handle[0] == kIpcHandleVersion,
+              "slotpool: a CUDA IPC handle of an unknown format (not PyTorch's version ",
+              static_cast<int>(kIpcHandleVersion), ")");
+  TORCH_CHECK(handle[1] != kIpcExpandable,
+              "slotpool: the sender shared memory of PyTorch's expandable segments, which "
+              "slotpool cannot open; the sending process can use expandable_segments:False");
+  TORCH_CHECK(handle[1] == kIpcCudaMalloc && handle.size() == 2 + sizeof(cudaIpcMemHandle_t),
+              "slotpool: a CUDA IPC handle of an unknown type or size");
+  std::lock_guard<std::mutex> lock(ipc_mu_);
+  auto it = ipc_opened_.find(handle);
+  if (it != ipc_opened_.end()) {
+    if (auto open = it->second.lock()) {
+      return open;
+    }
+  }
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data() + 2, sizeof h);
+  void* dev_ptr = nullptr;
+  C10_CUDA_CHECK(cudaIpcOpenMemHandle(&dev_ptr, h, cudaIpcMemLazyEnablePeerAccess));
+  c10::DeviceIndex device = 0;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  // Closed on the device that opened it, once the last storage using it is gone.
+  std::shared_ptr<void> open(dev_ptr, [this, handle, device](void* p) {
+    c10::cuda::CUDAGuard guard(device);
+    std::lock_guard<std::mutex> lock(ipc_mu_);
+    C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(p));
+    auto entry = ipc_opened_.find(handle);
+    if (entry != ipc_opened_.end() && entry->second.expired()) {
+      ipc_opened_.erase(entry);
+    }
+  });
+  ipc_opened_[handle] = open;
+  return open;
 }
 
 // `dev` may now read and write `dev_to_access`'s memory: cudaMalloc memory (slotpool's classic

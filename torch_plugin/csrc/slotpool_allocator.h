@@ -310,6 +310,10 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   std::mutex observers_mu_;
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
   std::vector<CCA::AllocatorTraceTracker> trace_trackers_;  // kept, never called (docs/torch.md)
+
+  // CUDA IPC handles opened here (getIpcDevPtr), by handle: one open per handle while in use.
+  std::mutex ipc_mu_;
+  std::unordered_map<std::string, std::weak_ptr<void>> ipc_opened_;
 };
 
 // The deleter of every DataPtr the allocator hands out (raw_deleter()).

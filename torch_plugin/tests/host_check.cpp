@@ -6,6 +6,7 @@
 // Exit status 0 when every check passes; each failure prints one line.
 
 #include <algorithm>
+#include <functional>
 #include <cstdio>
 #include <stdexcept>
 #include <thread>
@@ -189,6 +190,31 @@ void* sp_alloc_or_die(size_t size) {
 
 }  // namespace
 
+// The CUDA IPC paths that fail before any CUDA call: sharing vmm memory, and handles this
+// allocator cannot open. (Sharing and opening classic segments needs a GPU: torch_scenarios.py.)
+std::string thrown(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void check_ipc_refusals(slotpool_torch::SlotpoolAllocator& a) {
+  void* big = sp_alloc_or_die(40u << 20);  // beyond the default 16 MiB pages' small blocks: vmm
+  auto msg = thrown([&] { a.shareIpcHandle(big); });
+  expect(msg.find("growth:classic") != std::string::npos, "sharing vmm memory is refused: " + msg);
+  slotpool_torch::check(sp_free(big), "sp_free");
+  std::string expandable("\x02" "e" "0123456789", 12);
+  msg = thrown([&] { a.getIpcDevPtr(expandable); });
+  expect(msg.find("expandable") != std::string::npos, "an 'e' handle is refused: " + msg);
+  msg = thrown([&] { a.getIpcDevPtr(std::string("\x01" "c", 2)); });
+  expect(msg.find("unknown format") != std::string::npos, "an old version is refused: " + msg);
+  msg = thrown([&] { a.getIpcDevPtr(std::string("\x02" "c" "short", 7)); });
+  expect(msg.find("unknown type or size") != std::string::npos, "a short handle is refused: " + msg);
+}
+
 int main() {
   slotpool_torch::SlotpoolAllocator a(std::string("sim"), std::string("sim_devices:2"));
   a.init(2);
@@ -348,6 +374,8 @@ int main() {
   expect(snap.device_traces[0].size() <= 4096, "the ring keeps at most max_entries");
   a.free_ptr(last, true);
   a.recordHistory(false, nullptr, 0, RC::NEVER, true, {});
+
+  check_ipc_refusals(a);
 
   if (failures == 0) {
     std::printf("host_check: all passed\n");

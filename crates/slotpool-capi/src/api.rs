@@ -389,6 +389,41 @@ pub unsafe extern "C" fn sp_allocation_info(
     })
 }
 
+/// Describes the segment holding the live allocation that starts at `ptr`: its address range,
+/// and whether it is a vmm reservation (`*vmm = 1`) or one classic `cuMemAlloc` allocation
+/// (`*vmm = 0`, which `cudaIpcGetMemHandle` can share).
+///
+/// # Safety
+///
+/// `base`, `size` and `vmm` must be valid for writes; `ptr` is never dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_segment_info(
+    ptr: *mut c_void,
+    base: *mut *mut c_void,
+    size: *mut usize,
+    vmm: *mut c_int,
+) -> sp_status {
+    ffi(|| {
+        let (o_base, o_size, o_vmm) = (
+            required(base, "base")?,
+            required(size, "size")?,
+            required(vmm, "vmm")?,
+        );
+        if ptr.is_null() {
+            return Err(Error::null("ptr"));
+        }
+        let p = ptr as u64;
+        let (_, (b, s, v)) = runtime()?.on_owner(p, |d| each!(d, a => a.segment_info(p)))?;
+        // SAFETY: all three are non-null and valid for writes by the caller's contract.
+        unsafe {
+            put(o_base, b as *mut c_void);
+            put(o_size, s as usize);
+            put(o_vmm, c_int::from(v));
+        }
+        Ok(())
+    })
+}
+
 /// Returns the unused cached memory of `device` (-1: every device) to the backend.
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_empty_cache(device: c_int) -> sp_status {

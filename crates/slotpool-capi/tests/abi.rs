@@ -155,6 +155,47 @@ fn devices_are_separate_and_frees_find_their_device() {
 }
 
 #[test]
+fn segment_info_names_the_segment_and_its_kind() {
+    setup();
+    // The library's defaults: 16 MiB vmm pages, so a small block grows by a classic 2 MiB
+    // segment and a large one by a vmm reservation.
+    let small = alloc(SHARED, 100 * 1024, 0);
+    let large = alloc(SHARED, 40 * MIB, 0);
+    for (p, want_vmm) in [(small, 0), (large, 1)] {
+        let (mut base, mut size, mut vmm) = (null_mut(), 0usize, -1);
+        // SAFETY: valid out-pointers.
+        ok(unsafe { sp_segment_info(p, &mut base, &mut size, &mut vmm) });
+        assert_eq!(vmm, want_vmm, "{p:?}");
+        let (b, p) = (base as usize, p as usize);
+        assert!(b <= p && p < b + size, "{p:#x} outside {b:#x}+{size}");
+    }
+    let (mut base, mut size, mut vmm) = (null_mut(), 0usize, -1);
+    // SAFETY: valid out-pointers or NULL, which is rejected before any write.
+    unsafe {
+        expect(
+            sp_segment_info(small, null_mut(), &mut size, &mut vmm),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        expect(
+            sp_segment_info(null_mut(), &mut base, &mut size, &mut vmm),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        let inside = (small as *mut u8).wrapping_add(512) as *mut c_void;
+        expect(
+            sp_segment_info(inside, &mut base, &mut size, &mut vmm),
+            sp_status::SP_ERR_UNKNOWN_POINTER,
+        );
+    }
+    assert_eq!(
+        (base, size, vmm),
+        (null_mut(), 0, -1),
+        "a refused call writes nothing"
+    );
+    ok(sp_free(small));
+    ok(sp_free(large));
+}
+
+#[test]
 fn null_out_pointers_are_rejected() {
     setup();
     let p = alloc(SHARED, 64, 0);

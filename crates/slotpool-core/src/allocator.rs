@@ -493,6 +493,19 @@ impl<D: Device> Allocator<D> {
         .ok_or(AllocError::UnknownPointer(ptr))
     }
 
+    /// The segment holding the live allocation that starts at `ptr`: its address, its size, and
+    /// whether it is a vmm reservation (else one classic `cuMemAlloc` allocation, which CUDA IPC
+    /// can share).
+    pub fn segment_info(&self, ptr: DevicePtr) -> AllocResult<(DevicePtr, u64, bool)> {
+        self.with_owner(ptr, |_, s| {
+            let b = s.block(s.lookup(ptr)?)?;
+            let seg = s.segment(b.segment)?;
+            Some((seg.addr, seg.size, seg.is_vmm()))
+        })
+        .flatten()
+        .ok_or(AllocError::UnknownPointer(ptr))
+    }
+
     /// Retire completed cross-stream events in every shard.
     pub fn process_events(&self) {
         for cell in self.all_shards().values() {

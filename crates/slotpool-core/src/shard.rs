@@ -172,6 +172,10 @@ impl Shard {
         self.blocks.get(id)
     }
 
+    pub fn segment(&self, id: SegmentId) -> Option<&Segment> {
+        self.segments.get(id)
+    }
+
     pub fn segments(&self) -> impl Iterator<Item = (SegmentId, &Segment)> {
         self.segments.iter()
     }
