@@ -137,6 +137,7 @@ impl<D: Device> Allocator<D> {
                 trace: Default::default(),
                 vmm_reservation,
                 vmm_slack_percent: config.vmm_slack_percent,
+                vmm_slack_base: config.vmm_slack_base,
             },
             dev,
             config,

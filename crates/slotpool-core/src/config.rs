@@ -29,6 +29,10 @@ pub struct Config {
     /// bytes (0, the default: physical memory follows live bytes; ~8 removes page remapping on
     /// training loops at ~1.07x reserved/allocated, what PyTorch's expandable segments hold).
     pub vmm_slack_percent: f64,
+    /// Idle mapped memory a vmm shard keeps on top of `vmm_slack_percent`, whatever its live
+    /// bytes (default 64 MiB; only while the percentage is set). A workload with little live
+    /// memory and large blocks of shifting sizes moves pages unless this covers a few blocks.
+    pub vmm_slack_base: u64,
     /// Physical page size of vmm growth (`None`: the device's granularity, 2 MiB). Growth costs
     /// about the same per driver call whatever the page size (H200: ~33 us to create, map and
     /// open a page of 2 to 128 MiB), so larger pages make growth proportionally cheaper, at the
@@ -47,6 +51,7 @@ impl Default for Config {
             memory_fraction: None,
             vmm_reservation: None,
             vmm_slack_percent: 0.0,
+            vmm_slack_base: 64 * MIB,
             vmm_page_size: None,
         }
     }
@@ -72,6 +77,7 @@ impl Config {
         "per_process_memory_fraction",
         "vmm_reservation_mb",
         "vmm_slack_percent",
+        "vmm_slack_base_mb",
         "vmm_page_mb",
     ];
 
@@ -150,6 +156,13 @@ impl Config {
                     return Err(bad("must be in [0, 1000]"));
                 }
                 self.vmm_slack_percent = f;
+            }
+            "vmm_slack_base_mb" => {
+                let v = mb(value)?;
+                if v > 1 << 40 {
+                    return Err(bad("must be at most 1048576"));
+                }
+                self.vmm_slack_base = v;
             }
             "vmm_page_mb" => {
                 let v = mb(value)?;
@@ -306,6 +319,13 @@ mod tests {
             Some(8 * MIB)
         );
         assert_eq!(Config::default().vmm_page_size, None);
+        assert_eq!(Config::default().vmm_slack_base, 64 * MIB);
+        assert_eq!(
+            Config::parse("vmm_slack_base_mb:256")
+                .unwrap()
+                .vmm_slack_base,
+            256 * MIB
+        );
     }
 
     #[test]
@@ -325,6 +345,8 @@ mod tests {
                 "{page}"
             );
         }
+        assert!(Config::parse("vmm_slack_base_mb:-1").is_err());
+        assert!(Config::parse("vmm_slack_base_mb:2000000").is_err());
         assert!(Config::parse("").is_ok());
     }
 }

@@ -144,6 +144,8 @@ pub struct Shared {
     /// physical memory follows live bytes exactly, at the price of remapping pages when the
     /// allocation pattern shifts).
     pub vmm_slack_percent: f64,
+    /// Idle bytes a vmm shard keeps on top of the percentage (`Config::vmm_slack_base`).
+    pub vmm_slack_base: u64,
 }
 
 /// Borrowed context for one shard operation: the device, what the device's shards share (its
@@ -179,12 +181,12 @@ impl std::fmt::Debug for Env<'_> {
 
 impl Env<'_> {
     /// Idle bytes a shard with `live` live bytes may keep mapped (`vmm_slack_percent`, plus
-    /// 64 MiB when it is set).
+    /// `vmm_slack_base` when it is set).
     pub fn vmm_slack(&self, live: u64) -> u64 {
         if self.vmm_slack_percent <= 0.0 {
             return 0;
         }
-        (live as f64 * self.vmm_slack_percent / 100.0) as u64 + (64 << 20)
+        (live as f64 * self.vmm_slack_percent / 100.0) as u64 + self.vmm_slack_base
     }
 
     pub fn page_size(&self) -> u64 {
