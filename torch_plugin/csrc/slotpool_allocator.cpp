@@ -616,14 +616,20 @@ void SlotpoolAllocator::cacheInfo(c10::DeviceIndex device, size_t* largestBlock)
   *largestBlock = std::max(*largestBlock, cached);
 }
 
+// The cudaMalloc allocation behind ptr, as PyTorch answers: a classic segment's base and size. A
+// vmm reservation is no such allocation (PyTorch refuses expandable blocks here): the block itself.
 void* SlotpoolAllocator::getBaseAllocation(void* ptr, size_t* size) {
   void* base = nullptr;
-  size_t rounded = 0;
-  size_t requested = 0;
-  int dev = 0;
-  check(sp_allocation_info(ptr, &base, &rounded, &requested, &dev), "sp_allocation_info");
+  size_t bytes = 0;
+  int vmm = 0;
+  check(sp_segment_info(ptr, &base, &bytes, &vmm), "sp_segment_info");
+  if (vmm != 0) {
+    size_t requested = 0;
+    int dev = 0;
+    check(sp_allocation_info(ptr, &base, &bytes, &requested, &dev), "sp_allocation_info");
+  }
   if (size != nullptr) {
-    *size = rounded;
+    *size = bytes;
   }
   return base;
 }

@@ -206,6 +206,18 @@ void check_ipc_refusals(slotpool_torch::SlotpoolAllocator& a) {
   auto msg = thrown([&] { a.shareIpcHandle(big); });
   expect(msg.find("growth:classic") != std::string::npos, "sharing vmm memory is refused: " + msg);
   slotpool_torch::check(sp_free(big), "sp_free");
+  // getBaseAllocation: a classic block's segment (2 MiB), a vmm block itself.
+  void* small = sp_alloc_or_die(100u << 10);
+  size_t bytes = 0;
+  void* base = a.getBaseAllocation(small, &bytes);
+  expect(base <= small && static_cast<char*>(small) < static_cast<char*>(base) + bytes &&
+             bytes == (2u << 20),
+         "getBaseAllocation of a classic block is its 2 MiB segment");
+  slotpool_torch::check(sp_free(small), "sp_free");
+  void* big2 = sp_alloc_or_die(40u << 20);
+  expect(a.getBaseAllocation(big2, &bytes) == big2 && bytes == (40u << 20),
+         "getBaseAllocation of a vmm block is the block");
+  slotpool_torch::check(sp_free(big2), "sp_free");
   std::string expandable("\x02" "e" "0123456789", 12);
   msg = thrown([&] { a.getIpcDevPtr(expandable); });
   expect(msg.find("expandable") != std::string::npos, "an 'e' handle is refused: " + msg);
