@@ -556,8 +556,13 @@ impl<D: Device> Allocator<D> {
         if let Some(cell) = shards.get(&(pool, stream)) {
             return Ok(cell.clone());
         }
-        let mut shard = Shard::new(pool, stream, entry.options.no_split, &self.config.policy);
-        shard.lease = self.shared.allocated.new_lease();
+        let mut shard = Shard::new(
+            pool,
+            stream,
+            entry.options.no_split,
+            &self.config.policy,
+            self.shared.allocated.new_lease(),
+        );
         shard.quick_off = entry.checkpoints.iter().any(|c| c.strong_count() > 0);
         let cell = Arc::new(ShardCell {
             shard: crate::sync::ShardMutex::new(shard),

@@ -133,7 +133,15 @@ const QUICK_CREDIT_MAX: i32 = 16;
 const QUICK_PROBE_EVERY: i32 = 64;
 
 impl Shard {
-    pub fn new(pool: PoolId, stream: StreamId, no_split: bool, policy: &SizePolicy) -> Self {
+    /// A shard of (`pool`, `stream`) that counts its freed bytes beyond the credit in `lease`
+    /// (from [`crate::peak::PeakCounter::new_lease`]).
+    pub fn new(
+        pool: PoolId,
+        stream: StreamId,
+        no_split: bool,
+        policy: &SizePolicy,
+        lease: Arc<Lease>,
+    ) -> Self {
         let stats = MemoryStats {
             max_split_size: if policy.max_split_size == u64::MAX {
                 i64::MAX
@@ -160,7 +168,7 @@ impl Shard {
             live: FxHashMap::default(),
             seg_log: Vec::new(),
             peak_credit: 0,
-            lease: Arc::default(),
+            lease,
             quick: Vec::new(),
             quick_off: false,
             quick_credit: QUICK_CREDIT_MAX,
@@ -1248,10 +1256,10 @@ impl Shard {
         }
     }
 
-    /// Hand the credit and the lease back (peaks are being reset, or the shard is dropped).
+    /// Hand the credit back (peaks are being reset, or the shard is dropped). The lease goes back
+    /// through the counter itself ([`crate::peak::PeakCounter::reset_peak`], `end_lease`).
     pub(crate) fn settle_credit(&mut self, env: &Env<'_>) {
-        let bytes = self.peak_credit + self.lease.take();
-        env.allocated.add(-bytes);
+        env.allocated.add(-self.peak_credit);
         self.peak_credit = 0;
     }
 
