@@ -177,7 +177,10 @@ const char* sp_last_error_message(void);
  *           per_process_memory_fraction, vmm_reservation_mb, vmm_slack_percent (idle mapped
  *           memory kept, in percent of live bytes; 0: physical memory follows live bytes),
  *           vmm_slack_base_mb (idle memory kept on top of the percentage, default 64),
- *           vmm_page_mb (vmm page size, a multiple of the device's); for the sim backend also
+ *           vmm_page_mb (vmm page size, a multiple of the device's),
+ *           garbage_collection_threshold (0..1, PyTorch's: with a limit set, growth first
+ *           releases old free classic segments while more than this share is held); for the
+ *           sim backend also
  *           sim_memory_mb (per device, default 81920), sim_devices (1..64, default 1) and
  *           sim_auto_complete (0|1, default 1: streams complete at once). sim_* keys are
  *           ignored by the cuda backend.

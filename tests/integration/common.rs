@@ -28,6 +28,16 @@ pub fn setup_paged(
     total: u64,
     page: Option<u64>,
 ) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    setup_configured(growth, total, page, None)
+}
+
+/// As [`setup_paged`], with `garbage_collection_threshold` (active once a limit is set).
+pub fn setup_configured(
+    growth: GrowthMode,
+    total: u64,
+    page: Option<u64>,
+    gc_threshold: Option<f64>,
+) -> (Arc<SimDevice>, Allocator<SimDevice>) {
     let defaults = SimConfig::default();
     let dev = Arc::new(
         SimDevice::new(SimConfig {
@@ -42,6 +52,7 @@ pub fn setup_paged(
         growth,
         vmm_reservation: Some(1 << 30),
         vmm_page_size: page,
+        gc_threshold,
         ..Config::default()
     };
     let alloc = Allocator::new(dev.clone(), config);

@@ -5,7 +5,7 @@ use proptest::prelude::*;
 use slotpool::core::{AllocError, GrowthMode};
 use slotpool::sim::CallKind;
 
-use crate::common::{Live, MIB, check_all, fill_probes, setup_paged};
+use crate::common::{Live, MIB, check_all, fill_probes, setup_configured, setup_paged};
 
 const STREAMS: [u64; 3] = [0, 7, 9];
 
@@ -58,7 +58,11 @@ fn run(growth: GrowthMode, ops: &[Op]) {
 }
 
 fn run_paged(growth: GrowthMode, page: Option<u64>, ops: &[Op]) {
-    let (dev, alloc) = setup_paged(growth, 256 * MIB, page);
+    run_configured(growth, page, None, ops);
+}
+
+fn run_configured(growth: GrowthMode, page: Option<u64>, gc: Option<f64>, ops: &[Op]) {
+    let (dev, alloc) = setup_configured(growth, 256 * MIB, page, gc);
     let mut live: Vec<Live> = Vec::new();
     let mut uses: Vec<Vec<u64>> = Vec::new();
     let mut guards: Vec<Guard> = Vec::new();
@@ -175,6 +179,12 @@ proptest! {
     #[test]
     fn classic_random_sequences(ops in prop::collection::vec(op_strategy(), 1..120)) {
         run(GrowthMode::Classic, &ops);
+    }
+
+    /// Garbage collection under the limits that `SetLimit` sets: growth releases free segments.
+    #[test]
+    fn classic_random_sequences_with_gc(ops in prop::collection::vec(op_strategy(), 1..120)) {
+        run_configured(GrowthMode::Classic, None, Some(0.3), &ops);
     }
 
     /// 8 MiB pages: large blocks on vmm pages, small ones in classic segments, in one shard.

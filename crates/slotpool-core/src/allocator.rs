@@ -138,6 +138,7 @@ impl<D: Device> Allocator<D> {
                 vmm_reservation,
                 vmm_slack_percent: config.vmm_slack_percent,
                 vmm_slack_base: config.vmm_slack_base,
+                gc_threshold: config.gc_threshold,
             },
             dev,
             config,

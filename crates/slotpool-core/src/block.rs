@@ -347,6 +347,10 @@ pub struct Segment {
     /// shard's free index. It is the largest free block by far, and a same-size alloc/free loop
     /// splits and re-merges it every time: out of the B-tree, that costs no index update.
     pub free_tail: Option<BlockId>,
+    /// Classic segments: the shard's free-index search count when the segment last became one
+    /// free block; its age for garbage collection is the count now minus this (PyTorch's
+    /// `gc_count`).
+    pub freed_at: u64,
 }
 
 impl Segment {

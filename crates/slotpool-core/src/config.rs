@@ -40,6 +40,11 @@ pub struct Config {
     /// backend is built (the C ABI's runtime, the replay), which checks it against the
     /// granularity.
     pub vmm_page_size: Option<u64>,
+    /// PyTorch's `garbage_collection_threshold`: once a limit is set (a memory fraction or
+    /// `memory_limit_mb`) and the device holds more than this fraction of it, a default-pool
+    /// shard about to grow first releases its whole free classic large segments, oldest first
+    /// (see `Shard::collect_garbage`). `None`: off, as in PyTorch.
+    pub gc_threshold: Option<f64>,
 }
 
 impl Default for Config {
@@ -53,6 +58,7 @@ impl Default for Config {
             vmm_slack_percent: 0.0,
             vmm_slack_base: 64 * MIB,
             vmm_page_size: None,
+            gc_threshold: None,
         }
     }
 }
@@ -79,6 +85,7 @@ impl Config {
         "vmm_slack_percent",
         "vmm_slack_base_mb",
         "vmm_page_mb",
+        "garbage_collection_threshold",
     ];
 
     /// Parse a configuration string over the defaults.
@@ -177,6 +184,14 @@ impl Config {
                     return Err(bad("must be in (0, 1]"));
                 }
                 self.memory_fraction = Some(f);
+            }
+            "garbage_collection_threshold" => {
+                let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
+                // PyTorch's range: 0 and 1 are refused.
+                if !(f > 0.0 && f < 1.0) {
+                    return Err(bad("must be in (0, 1)"));
+                }
+                self.gc_threshold = Some(f);
             }
             "roundup_power2_divisions" => {
                 self.policy.roundup_power2_divisions =

@@ -146,6 +146,8 @@ pub struct Shared {
     pub vmm_slack_percent: f64,
     /// Idle bytes a vmm shard keeps on top of the percentage (`Config::vmm_slack_base`).
     pub vmm_slack_base: u64,
+    /// `Config::gc_threshold`.
+    pub gc_threshold: Option<f64>,
 }
 
 /// Borrowed context for one shard operation: the device, what the device's shards share (its

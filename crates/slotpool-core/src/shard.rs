@@ -124,6 +124,9 @@ pub struct Shard {
     /// further down, and at `-QUICK_PROBE_EVERY` one free is cached again to probe. A workload
     /// whose sizes rarely recur (1% of requests in the training traces) then pays nothing.
     quick_credit: i32,
+    /// Allocations that searched the free index: the clock of garbage collection's ages
+    /// (PyTorch's `get_free_blocks_call_count`).
+    free_searches: u64,
     pub stats: MemoryStats,
 }
 
@@ -172,6 +175,7 @@ impl Shard {
             quick: Vec::new(),
             quick_off: false,
             quick_credit: QUICK_CREDIT_MAX,
+            free_searches: 0,
             stats,
         }
     }
@@ -380,6 +384,7 @@ impl Shard {
             self.uncache(env, id);
         }
         let small = policy::is_small(rounded);
+        self.free_searches += 1;
         if let Some(id) = self.find_free(env, rounded, small)
             && (self.quick.is_empty() || !self.needs_pages(env, id, rounded))
         {
@@ -391,6 +396,9 @@ impl Shard {
             if let Some(id) = self.find_free(env, rounded, small) {
                 return self.take_block(env, id, rounded, requested);
             }
+        }
+        if let Some(threshold) = env.gc_threshold {
+            self.collect_garbage(env, threshold);
         }
         let id = self.grow(env, rounded, small)?;
         match self.take_block(env, id, rounded, requested) {
@@ -477,6 +485,7 @@ impl Shard {
             kind,
             retained: false,
             free_tail: None,
+            freed_at: self.free_searches,
         });
         let id = self.blocks.insert(Block::free(addr, size, seg, None, None));
         self.segments[seg].first = id;
@@ -765,6 +774,10 @@ impl Shard {
             id = self.merge_into_prev(id, n);
         }
         self.index_insert(id);
+        let b = &self.blocks[id];
+        if b.prev().is_none() && b.next().is_none() {
+            self.segments[seg].freed_at = self.free_searches;
+        }
     }
 
     // ----------------------------------------------------------------------------------------
@@ -1154,6 +1167,59 @@ impl Shard {
 
     // ----------------------------------------------------------------------------------------
     // Releasing cached memory
+
+    /// PyTorch's `garbage_collection_threshold`, before growth: when a limit is set and the device
+    /// holds more than `threshold` of it, release whole free classic segments of the large pool
+    /// whose age (free-index searches since they became free) is at least the average, and
+    /// again over those left, until the excess is reclaimed or none goes. Only the default pool
+    /// collects, as PyTorch's large blocks are its own; vmm memory is left to the page slack
+    /// (PyTorch skips expandable segments too); nothing is released during a capture.
+    fn collect_garbage(&mut self, env: &Env<'_>, threshold: f64) {
+        let limit = env.budget.limit();
+        if limit == u64::MAX || env.capture_underway || !self.pool.is_default() {
+            return;
+        }
+        let keep = (limit as f64 * threshold) as u64;
+        let Some(excess) = env.budget.held().checked_sub(keep).filter(|&e| e > 0) else {
+            return;
+        };
+        let mut candidates: Vec<(SegmentId, u64)> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| !s.is_vmm() && !s.small && !s.retained)
+            .filter(|(_, s)| {
+                let b = &self.blocks[s.first];
+                b.state == BlockState::Free && b.next().is_none()
+            })
+            .map(|(id, s)| (id, self.free_searches - s.freed_at))
+            .collect();
+        let mut total_age: u64 = candidates.iter().map(|&(_, age)| age).sum();
+        let mut reclaimed = 0;
+        let mut freed_any = true;
+        while reclaimed < excess && freed_any && !candidates.is_empty() {
+            let average = total_age as f64 / candidates.len() as f64;
+            freed_any = false;
+            // Like PyTorch, a pass does not stop at the target: collecting again soon after
+            // would cost more than the segments left are worth.
+            candidates.retain(|&(seg, age)| {
+                if (age as f64) < average {
+                    return true;
+                }
+                match self.release_segment_if_unused(env, seg) {
+                    Some(bytes) => {
+                        reclaimed += bytes;
+                        total_age -= age;
+                        freed_any = true;
+                        false
+                    }
+                    None => true,
+                }
+            });
+        }
+        if reclaimed > 0 {
+            tracing::debug!(pool = ?self.pool, stream = self.stream, reclaimed, "garbage collected");
+        }
+    }
 
     /// Return cached memory to the backend: whole free classic segments, idle vmm pages (to the
     /// device page pool when `keep_pages`, else released), and empty vmm reservations.
