@@ -233,6 +233,57 @@ void VariantGroup::end() {
 }
 
 // ------------------------------------------------------------------------------------------------
+// PyTorch's allocator settings
+
+std::string torch_conf_from_env() {
+  for (const char* name : {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr && *v != '\0') {
+      return v;
+    }
+  }
+  return "";
+}
+
+std::string torch_conf_for_slotpool(const std::string& torch_conf,
+                                    std::vector<std::string>* skipped) {
+  static const char* const kSame[] = {"max_split_size_mb", "max_non_split_rounding_mb",
+                                      "roundup_power2_divisions",
+                                      "garbage_collection_threshold", "expandable_segments"};
+  std::string out;
+  std::string part;
+  int depth = 0;
+  auto flush = [&]() {
+    size_t b = part.find_first_not_of(" \t");
+    size_t e = part.find_last_not_of(" \t");
+    std::string item = b == std::string::npos ? "" : part.substr(b, e - b + 1);
+    part.clear();
+    if (item.empty()) {
+      return;
+    }
+    size_t colon = item.find(':');
+    std::string key = item.substr(0, colon);
+    key.erase(key.find_last_not_of(" \t") + 1);
+    if (std::find(std::begin(kSame), std::end(kSame), key) != std::end(kSame) &&
+        colon != std::string::npos) {
+      out += (out.empty() ? "" : ",") + item;
+    } else if (skipped != nullptr) {
+      skipped->push_back(key);
+    }
+  };
+  for (char c : torch_conf) {
+    depth += c == '[' ? 1 : c == ']' ? -1 : 0;
+    if (c == ',' && depth <= 0) {
+      flush();
+    } else {
+      part += c;
+    }
+  }
+  flush();
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
 // The allocator
 
 SlotpoolAllocator::SlotpoolAllocator(std::optional<std::string> backend,
@@ -250,11 +301,47 @@ void SlotpoolAllocator::ensure_initialized() {
   int is_init = 0;
   check(sp_is_initialized(&is_init), "sp_is_initialized");
   if (is_init == 0) {
-    sp_status st = sp_init(backend_ ? backend_->c_str() : nullptr, conf_ ? conf_->c_str() : nullptr);
+    // PyTorch's own settings first, then $SLOTPOOL_CONF, then install(conf=): the library applies
+    // its `conf` over $SLOTPOOL_CONF, so the variable is repeated after PyTorch's keys.
+    std::vector<std::string> skipped;
+    std::string from_torch = torch_conf_for_slotpool(torch_conf_from_env(), &skipped);
+    const char* env_conf = std::getenv("SLOTPOOL_CONF");
+    std::string full = from_torch;
+    for (const std::string& part : {std::string(env_conf != nullptr ? env_conf : ""),
+                                    conf_.value_or("")}) {
+      if (!part.empty()) {
+        full += (full.empty() ? "" : ",") + part;
+      }
+    }
+    const char* backend = backend_ ? backend_->c_str() : nullptr;
+    sp_status st = sp_init(backend, full.c_str());
+    if (st == SP_ERR_CONFIG && !from_torch.empty()) {
+      // A value PyTorch accepts that slotpool refuses: run without PyTorch's keys, and say so.
+      std::string why = describe(st);
+      st = sp_init(backend, conf_ ? conf_->c_str() : nullptr);
+      if (st == SP_OK) {
+        TORCH_WARN("slotpool: PyTorch's allocator settings (", from_torch,
+                   ") were not applied: ", why);
+        full = env_conf != nullptr ? env_conf : "";
+        if (conf_ && !conf_->empty()) {
+          full += (full.empty() ? "" : ",") + *conf_;
+        }
+      }
+    }
     if (st != SP_OK && st != SP_ERR_INVALID_STATE) {  // INVALID_STATE: initialised meanwhile
       std::string msg = describe(st);
       TORCH_CHECK(false, "slotpool: sp_init(backend=", backend_.value_or("<env>"),
-                  ", conf=", conf_.value_or("<env>"), ") failed: ", msg);
+                  ", conf=", full, ") failed: ", msg);
+    }
+    applied_conf_ = full;
+    if (!skipped.empty()) {
+      std::string names;
+      for (const auto& k : skipped) {
+        names += (names.empty() ? "" : ", ") + k;
+      }
+      // pinned_* keys still reach PyTorch's pinned host allocator, which slotpool leaves alone.
+      TORCH_WARN_ONCE("slotpool: PyTorch allocator settings with no slotpool meaning left to "
+                      "PyTorch: ", names);
     }
   }
   const char* bname = nullptr;
@@ -835,7 +922,15 @@ CCA::SnapshotInfo SlotpoolAllocator::snapshot(MempoolId_t mempool_id, bool inclu
     append_traces(snap, info);
   }
   CCA::AllocatorConfigInfo& cfg = info.config_metadata;
+  // The last garbage_collection_threshold that sp_init was given (0: off).
   cfg.garbage_collection_threshold = 0.0;
+  for (size_t at = applied_conf_.find("garbage_collection_threshold:");
+       at != std::string::npos;
+       at = applied_conf_.find("garbage_collection_threshold:", at + 1)) {
+    cfg.garbage_collection_threshold =
+        std::strtod(applied_conf_.c_str() + at + std::strlen("garbage_collection_threshold:"),
+                    nullptr);
+  }
   sp_memory_stats s{};
   cfg.max_split_size = sp_memory_stats_get(0, &s) == SP_OK && s.max_split_size >= 0
                            ? static_cast<size_t>(s.max_split_size)
@@ -846,8 +941,7 @@ CCA::SnapshotInfo SlotpoolAllocator::snapshot(MempoolId_t mempool_id, bool inclu
   cfg.release_lock_on_malloc = false;
   cfg.pinned_use_host_register = false;
   cfg.graph_capture_record_stream_reuse = false;
-  const char* env = std::getenv("SLOTPOOL_CONF");
-  cfg.last_allocator_settings = std::string("slotpool:") + (env != nullptr ? env : "");
+  cfg.last_allocator_settings = "slotpool:" + applied_conf_;
   return info;
 }
 

@@ -88,6 +88,16 @@ std::string describe(sp_status st);
 // Throws c10::Error (TORCH_CHECK) for a failed status; `what` names the call.
 void check(sp_status st, const char* what);
 
+// PyTorch's allocator settings string (PYTORCH_ALLOC_CONF's syntax) as slotpool configuration:
+// the keys that slotpool applies the same way (max_split_size_mb, max_non_split_rounding_mb,
+// roundup_power2_divisions, garbage_collection_threshold, expandable_segments), in order. The
+// other keys (backend, pinned_*, release_lock_on_cudamalloc, ...) go to `skipped` when given.
+std::string torch_conf_for_slotpool(const std::string& torch_conf,
+                                    std::vector<std::string>* skipped);
+
+// The settings PyTorch read at start: $PYTORCH_ALLOC_CONF, else $PYTORCH_CUDA_ALLOC_CONF.
+std::string torch_conf_from_env();
+
 // One allocation: address and size.
 using PtrSize = std::pair<void*, size_t>;
 
@@ -238,6 +248,8 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
 
   std::optional<std::string> backend_;
   std::optional<std::string> conf_;
+  // What sp_init was given (PyTorch's settings, $SLOTPOOL_CONF, conf_), for config_metadata.
+  std::string applied_conf_;
   std::atomic<bool> initialized_{false};
   std::atomic<bool> sp_ready_{false};
   std::mutex init_mu_;

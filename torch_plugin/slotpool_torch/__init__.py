@@ -74,8 +74,9 @@ def install(backend: str | None = "cuda", conf: str | None = None, verbose: bool
     tensor, torch.cuda.init(), torch.cuda.current_device(), ...). Idempotent.
 
     backend: slotpool's backend ("cuda"; None: $SLOTPOOL_BACKEND). conf: slotpool's configuration
-    string ("key:value,...", over $SLOTPOOL_CONF, over DEFAULT_CONF; PyTorch's PYTORCH_CUDA_ALLOC_CONF
-    does not apply).
+    string ("key:value,...", over $SLOTPOOL_CONF, over the keys of PyTorch's PYTORCH_ALLOC_CONF /
+    PYTORCH_CUDA_ALLOC_CONF that slotpool shares (max_split_size_mb, roundup_power2_divisions,
+    garbage_collection_threshold, ...), over DEFAULT_CONF).
     """
     ext = load(verbose=verbose)
     if ext.is_installed():

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <functional>
 #include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <thread>
 #include <atomic>
@@ -227,9 +228,43 @@ void check_ipc_refusals(slotpool_torch::SlotpoolAllocator& a) {
   expect(msg.find("unknown type or size") != std::string::npos, "a short handle is refused: " + msg);
 }
 
+// PyTorch's allocator settings: the keys slotpool applies the same way pass, in order (lists
+// whole); the rest is named as skipped.
+void check_torch_conf() {
+  std::vector<std::string> skipped;
+  std::string c = slotpool_torch::torch_conf_for_slotpool(
+      " max_split_size_mb:128, pinned_use_cuda_host_register:True,"
+      "roundup_power2_divisions:[256:1,512:2,>:4],backend:native,"
+      "garbage_collection_threshold:0.6,expandable_segments:False",
+      &skipped);
+  expect(c == "max_split_size_mb:128,roundup_power2_divisions:[256:1,512:2,>:4],"
+              "garbage_collection_threshold:0.6,expandable_segments:False",
+         "torch conf translated: " + c);
+  expect(skipped == std::vector<std::string>{"pinned_use_cuda_host_register", "backend"},
+         "torch conf skipped keys");
+  skipped.clear();
+  expect(slotpool_torch::torch_conf_for_slotpool("", &skipped).empty() && skipped.empty(),
+         "empty torch conf");
+}
+
 int main() {
+  check_torch_conf();
+  // Applied at sp_init, beneath $SLOTPOOL_CONF and the allocator's own conf.
+  setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128,garbage_collection_threshold:0.6", 1);
   slotpool_torch::SlotpoolAllocator a(std::string("sim"), std::string("sim_devices:2"));
   a.init(2);
+  {
+    sp_memory_stats st{};
+    slotpool_torch::check(sp_memory_stats_get(0, &st), "sp_memory_stats_get");
+    expect(st.max_split_size == 128LL << 20, "PYTORCH_ALLOC_CONF's max_split_size_mb applied");
+    auto info = a.snapshot({0, 0}, false);
+    expect(info.config_metadata.garbage_collection_threshold == 0.6,
+           "config_metadata.garbage_collection_threshold");
+    expect(info.config_metadata.last_allocator_settings.find("max_split_size_mb:128") !=
+               std::string::npos,
+           "last_allocator_settings names what was applied: " +
+               info.config_metadata.last_allocator_settings);
+  }
 
   // Nothing recorded before recordHistory.
   void* before = sp_alloc_or_die(4096);
