@@ -82,6 +82,27 @@ def ipc_receiver(alloc, q_in, q_out):
     q_in.get(timeout=120)  # the sender is done
 
 
+ALLOC_CONF_PROBE = r"""
+import json, os, sys
+sys.path.insert(0, os.environ["PLUGIN"])
+if os.environ["ALLOC"] == "slotpool":
+    import slotpool_torch
+    slotpool_torch.install(conf=os.environ.get("SLOTPOOL_TORCH_CONF"))
+import torch
+total = torch.cuda.get_device_properties(0).total_memory
+torch.cuda.set_per_process_memory_fraction((1536 << 20) / total)
+out = {"max_split_size": torch.cuda.memory_stats().get("max_split_size")}
+xs = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+del xs
+out["reserved_before"] = torch.cuda.memory_reserved()
+y = torch.empty(300 << 20, dtype=torch.uint8, device="cuda")
+out["reserved_after"] = torch.cuda.memory_reserved()
+settings = torch.cuda.memory._snapshot().get("allocator_settings", {})
+out["gc_threshold"] = settings.get("garbage_collection_threshold")
+print(json.dumps(out))
+"""
+
+
 def c_build(alloc, arg):
     import torch
     sys.path.insert(0, PLUGIN)
@@ -381,6 +402,23 @@ def c_api(alloc, arg):
         free, total = torch.cuda.mem_get_info()
         assert 0 < free <= total
 
+    def alloc_conf():
+        # PyTorch's allocator settings, in a fresh process: max_split_size_mb shows in the
+        # stats, and garbage_collection_threshold (with a 1.5 GiB fraction, 0.5 of it kept)
+        # releases four freed 256 MiB segments before a 300 MiB request grows the cache.
+        env = dict(os.environ, PLUGIN=PLUGIN, ALLOC="slotpool" if slot else "native",
+                   PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64,garbage_collection_threshold:0.5,"
+                                           "expandable_segments:False")
+        p = subprocess.run([sys.executable, "-c", ALLOC_CONF_PROBE], capture_output=True,
+                           text=True, timeout=300, env=env)
+        lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+        assert p.returncode == 0 and lines, f"probe failed ({p.returncode}): {p.stderr[-1500:]}"
+        r = json.loads(lines[-1])
+        keep["alloc_conf"] = r
+        assert r["max_split_size"] == 64 << 20, r
+        assert r["reserved_before"] == 1024 << 20, r
+        assert r["reserved_after"] == 300 << 20, r
+
     def ipc():
         # torch.multiprocessing: a CUDA tensor sent to a spawned process, which opens the
         # handle with its own allocator (PyTorch's, and slotpool's under slotpool), checks the
@@ -583,13 +621,14 @@ def c_api(alloc, arg):
               ("snapshot", snapshot), ("record_history", record_history), ("graph", graph),
               ("graph_side_stream", graph_side_stream), ("graph_shared_pool", graph_shared_pool),
               ("graphed_callables", graphed_callables), ("cudnn_benchmark", cudnn_bench),
-              ("memory_fraction", fraction), ("mem_get_info", mem_get_info), ("multi_gpu", multi_gpu), ("ipc", ipc),
+              ("memory_fraction", fraction), ("mem_get_info", mem_get_info), ("multi_gpu", multi_gpu), ("ipc", ipc), ("alloc_conf", alloc_conf),
               ("sp_named_pool", sp_named_pool), ("sp_checkpoint_restore", sp_checkpoint_restore),
               ("sp_arena", sp_arena), ("sp_variants_small", sp_variants_small),
               ("sp_mark_reusable", sp_mark_reusable),
               ("compile_reduce_overhead", compile_ro), ("oom", oom),
               ("sp_orphan_pins_pool", sp_orphan_pins_pool)]
-    res = {"checks": run_checks(checks), "memory_stats_keys": keep.get("keys", [])}
+    res = {"checks": run_checks(checks), "memory_stats_keys": keep.get("keys", []),
+           "alloc_conf": keep.get("alloc_conf")}
     res["ok"] = all(v == "ok" or v.startswith("skipped") for v in res["checks"].values())
     return res
 
