@@ -443,6 +443,38 @@ sp_status sp_pool_drain_pending_frees(int device, sp_pool_id id, size_t* left);
  *  sp_clear_history. They appear in sp_snapshot_json's device_traces. device -1: every device,
  *  including devices first used later (no device is initialised by this call). */
 sp_status sp_record_history(int device, size_t max_entries);
+/** What an allocator event was: PyTorch's trace actions. */
+typedef enum sp_trace_action {
+  SP_TRACE_ALLOC = 0,           /* a block was handed out; size: the requested size */
+  SP_TRACE_FREE_REQUESTED = 1,  /* the user freed it */
+  SP_TRACE_FREE_COMPLETED = 2,  /* it is free for reuse (at once, or after other streams' work) */
+  SP_TRACE_SEGMENT_ALLOC = 3,   /* a classic segment was allocated (cuMemAlloc) */
+  SP_TRACE_SEGMENT_FREE = 4,    /* a classic segment was freed */
+  SP_TRACE_SEGMENT_MAP = 5,     /* a vmm page was mapped; size: the page size */
+  SP_TRACE_SEGMENT_UNMAP = 6,   /* a vmm page was unmapped */
+  SP_TRACE_OOM = 7              /* an allocation failed; addr 0, size: the rounded request */
+} sp_trace_action;
+
+/** One allocator event, as an sp_trace_callback receives it. */
+typedef struct sp_trace_event {
+  sp_trace_action action;
+  int device;
+  uint64_t addr;
+  uint64_t size;
+  uint64_t stream;
+  uint64_t time_us; /* microseconds since the Unix epoch */
+} sp_trace_event;
+
+/** Receives one event; `event` is valid for the call only. */
+typedef void (*sp_trace_callback)(const sp_trace_event* event, void* user_data);
+
+/** Hands every allocator event of every device, present and future, to callback as it happens,
+ *  with user_data (PyTorch's attachAllocatorTraceTracker; NCCL registers segments through it).
+ *  NULL stops; a new callback replaces the old one. The callback runs on the thread that made
+ *  the event, under an allocator lock: it must not call slotpool (nor allocate through it) and
+ *  must not throw. Errors: SP_ERR_NOT_INITIALIZED, SP_ERR_SHUTDOWN. */
+sp_status sp_set_trace_callback(sp_trace_callback callback, void* user_data);
+
 /** Forgets device's recorded history (-1: every device). */
 sp_status sp_clear_history(int device);
 

@@ -20,6 +20,10 @@
 /* Layout of the public structs: the same numbers as the const asserts in the Rust crate. */
 _Static_assert(sizeof(sp_status) == sizeof(int), "sp_status is an int");
 _Static_assert(sizeof(sp_route_kind) == sizeof(int), "sp_route_kind is an int");
+_Static_assert(sizeof(sp_trace_action) == sizeof(int), "sp_trace_action is an int");
+_Static_assert(sizeof(sp_trace_event) == 40, "sp_trace_event");
+_Static_assert(offsetof(sp_trace_event, addr) == 8, "sp_trace_event.addr");
+_Static_assert(offsetof(sp_trace_event, time_us) == 32, "sp_trace_event.time_us");
 _Static_assert(sizeof(sp_pool_id) == 16, "sp_pool_id");
 _Static_assert(offsetof(sp_pool_id, b) == 8, "sp_pool_id.b");
 _Static_assert(sizeof(sp_pool_options) == 16, "sp_pool_options");

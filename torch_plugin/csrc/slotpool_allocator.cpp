@@ -1398,9 +1398,60 @@ void SlotpoolAllocator::attachOutOfMemoryObserver(CCA::OutOfMemoryObserver obser
 }
 
 void SlotpoolAllocator::attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) {
-  // Kept, never called: slotpool's trace entries reach PyTorch only through snapshot().
-  std::lock_guard<std::mutex> lk(observers_mu_);
-  trace_trackers_.push_back(std::move(tracker));
+  ensure_initialized();
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lk(trackers_mu_);
+    auto next = std::make_shared<std::vector<CCA::AllocatorTraceTracker>>();
+    if (trace_trackers_) {
+      *next = *trace_trackers_;
+    }
+    first = next->empty();
+    next->push_back(std::move(tracker));
+    trace_trackers_ = std::move(next);
+  }
+  if (first) {
+    check(sp_set_trace_callback(&SlotpoolAllocator::on_trace_event, this),
+          "sp_set_trace_callback");
+  }
+}
+
+// slotpool's trace callback: each event as PyTorch's TraceEntry, to every attached tracker (as
+// PyTorch calls them, under the allocator's lock, with no stack). Never throws into slotpool.
+void SlotpoolAllocator::on_trace_event(const sp_trace_event* e, void* self) {
+  using Action = CCA::TraceEntry::Action;
+  static constexpr Action kActions[] = {
+      Action::ALLOC,         Action::FREE_REQUESTED, Action::FREE_COMPLETED,
+      Action::SEGMENT_ALLOC, Action::SEGMENT_FREE,   Action::SEGMENT_MAP,
+      Action::SEGMENT_UNMAP, Action::OOM};
+  if (e == nullptr || e->action < 0 || e->action >= static_cast<int>(std::size(kActions))) {
+    return;
+  }
+  auto* a = static_cast<SlotpoolAllocator*>(self);
+  std::shared_ptr<const std::vector<CCA::AllocatorTraceTracker>> trackers;
+  {
+    std::lock_guard<std::mutex> lk(a->trackers_mu_);
+    trackers = a->trace_trackers_;
+  }
+  if (!trackers) {
+    return;
+  }
+  try {
+    CCA::TraceEntry te(kActions[e->action], static_cast<c10::DeviceIndex>(e->device),
+                       static_cast<size_t>(e->addr), static_cast<size_t>(e->size),
+                       reinterpret_cast<void*>(e->stream), MempoolId_t{0, 0},
+                       c10::approx_time_t{0}, nullptr);
+    te.time_.t_ = static_cast<time_t>(e->time_us);
+    for (const auto& t : *trackers) {
+      t(te);
+    }
+  } catch (...) {
+    // No TORCH_WARN here: its handler may call into Python under slotpool's lock.
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) {
+      std::fprintf(stderr, "slotpool: an allocator trace tracker threw; its event was dropped\n");
+    }
+  }
 }
 
 // CUDA IPC (torch.multiprocessing) in PyTorch's handle format, version 2: a version byte, 'c',

@@ -321,7 +321,13 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
 
   std::mutex observers_mu_;
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
-  std::vector<CCA::AllocatorTraceTracker> trace_trackers_;  // kept, never called (docs/torch.md)
+
+  // attachAllocatorTraceTracker: called with every slotpool event (sp_set_trace_callback) from
+  // the first attach on. Replaced whole on attach, so that an event copies one pointer; the
+  // mutex is never held while calling slotpool (the callback runs under slotpool's locks).
+  std::mutex trackers_mu_;
+  std::shared_ptr<const std::vector<CCA::AllocatorTraceTracker>> trace_trackers_;
+  static void on_trace_event(const sp_trace_event* event, void* self);
 
   // CUDA IPC handles opened here (getIpcDevPtr), by handle: one open per handle while in use.
   std::mutex ipc_mu_;

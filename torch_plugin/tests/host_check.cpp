@@ -11,6 +11,9 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <thread>
+#include <memory>
+#include <mutex>
+#include <tuple>
 #include <atomic>
 #include <string>
 #include <vector>
@@ -247,6 +250,38 @@ void check_torch_conf() {
          "empty torch conf");
 }
 
+// attachAllocatorTraceTracker: every tracker sees each event as it happens, as PyTorch's TraceEntry.
+void check_trace_trackers(slotpool_torch::SlotpoolAllocator& a) {
+  // The trackers stay attached for the rest of the checks: they own what they write.
+  using Seen = std::vector<std::tuple<Action, size_t, size_t>>;
+  auto seen = std::make_shared<Seen>();
+  auto mu = std::make_shared<std::mutex>();
+  auto other = std::make_shared<std::atomic<int>>(0);
+  a.attachAllocatorTraceTracker([=](const c10::CachingDeviceAllocator::TraceEntry& te) {
+    if (te.device_ == 1) {
+      std::lock_guard<std::mutex> lk(*mu);
+      seen->emplace_back(te.action_, te.addr_, te.size_);
+    }
+  });
+  a.attachAllocatorTraceTracker(
+      [=](const c10::CachingDeviceAllocator::TraceEntry&) { other->fetch_add(1); });
+  int before = other->load();
+  void* p = nullptr;
+  slotpool_torch::check(sp_alloc(1, 5000, 0, &p), "sp_alloc");
+  slotpool_torch::check(sp_free(p), "sp_free");
+  std::lock_guard<std::mutex> lk(*mu);
+  std::vector<std::pair<Action, size_t>> got;
+  for (const auto& [action, addr, size] : *seen) {
+    if (addr == reinterpret_cast<size_t>(p) && size == 5000) {
+      got.emplace_back(action, size);
+    }
+  }
+  std::vector<std::pair<Action, size_t>> want = {
+      {Action::ALLOC, 5000}, {Action::FREE_REQUESTED, 5000}, {Action::FREE_COMPLETED, 5000}};
+  expect(got == want, "trace tracker: alloc, free_requested, free_completed of 5000 B");
+  expect(other->load() - before >= 3, "a second tracker sees the events too");
+}
+
 int main() {
   check_torch_conf();
   // Applied at sp_init, beneath $SLOTPOOL_CONF and the allocator's own conf.
@@ -423,6 +458,7 @@ int main() {
   a.recordHistory(false, nullptr, 0, RC::NEVER, true, {});
 
   check_ipc_refusals(a);
+  check_trace_trackers(a);
 
   if (failures == 0) {
     std::printf("host_check: all passed\n");

@@ -13,8 +13,8 @@ use slotpool_core::{ArenaId, Checkpoint, DevicePtr, RestoreDelta, VariantGroup};
 
 use crate::error::{Error, Result, ffi, sp_status};
 use crate::out::{put, put_opt, required};
-use crate::runtime::{each, runtime};
-use crate::types::sp_pool_id;
+use crate::runtime::{TraceCallback, each, runtime};
+use crate::types::{sp_pool_id, sp_trace_event};
 
 /// A checkpoint of one pool on one device (opaque to C).
 #[allow(non_camel_case_types)]
@@ -532,6 +532,30 @@ pub extern "C" fn sp_record_history(device: c_int, max_entries: usize) -> sp_sta
         } else {
             each!(rt.device(device)?, a => a.record_history(max_entries));
         }
+        Ok(())
+    })
+}
+
+/// Hands every allocator event of every device, present and future, to `callback` as it
+/// happens, with `user_data` (PyTorch's `attachAllocatorTraceTracker`; NCCL registers segments
+/// through it). NULL stops; a new callback replaces the old one.
+///
+/// # Safety
+///
+/// `callback` may be called from any thread that calls slotpool, until it is replaced or the
+/// library shuts down, with an event valid only for the call: it must be safe to call so, with
+/// `user_data`. It runs under an allocator lock: it must not call slotpool (or allocate through
+/// it), and must not unwind.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_set_trace_callback(
+    callback: Option<unsafe extern "C" fn(*const sp_trace_event, *mut c_void)>,
+    user_data: *mut c_void,
+) -> sp_status {
+    ffi(|| {
+        runtime()?.set_trace_callback(callback.map(|callback| TraceCallback {
+            callback,
+            user_data: user_data as usize,
+        }));
         Ok(())
     })
 }

@@ -24,4 +24,5 @@ pub use error::{Error, sp_status};
 pub use graph::*;
 pub use types::{
     sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind, sp_stat, sp_stat_array,
+    sp_trace_action, sp_trace_event,
 };

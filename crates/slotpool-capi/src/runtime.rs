@@ -7,18 +7,19 @@
 //! hot path reads one `OnceLock` and one atomic flag (no lock, no reference count).
 
 use std::cell::Cell;
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Once, OnceLock, PoisonError};
 
 use slotpool_core::{
     AllocError, AllocResult, Allocator, CaptureStatus, Config, Device, DevicePtr, DeviceResult,
-    EventHandle, GrowthMode, PageHandle, StreamId,
+    EventHandle, GrowthMode, PageHandle, StreamId, TraceEntry, TraceSink,
 };
 use slotpool_cuda::CudaDevice;
 use slotpool_sim::{Backing, SimConfig, SimDevice};
 
 use crate::error::{Error, Result};
+use crate::types::sp_trace_event;
 
 /// Environment variable naming the backend for lazy initialisation (`cuda`, `sim`, `auto`).
 pub const ENV_BACKEND: &str = "SLOTPOOL_BACKEND";
@@ -323,6 +324,29 @@ struct Pending {
     history: usize,
     /// (device, peer) pairs of `sp_enable_peer_access`.
     peers: Vec<(usize, i32)>,
+    /// The callback of `sp_set_trace_callback`, given to every allocator.
+    trace: Option<TraceCallback>,
+}
+
+/// A C function that receives every allocator event (`sp_set_trace_callback`).
+#[derive(Clone, Copy, Debug)]
+pub struct TraceCallback {
+    pub callback: unsafe extern "C" fn(*const sp_trace_event, *mut c_void),
+    /// The caller's `user_data`, kept as an address: slotpool never dereferences it.
+    pub user_data: usize,
+}
+
+impl TraceCallback {
+    /// The core's sink for device `device`: one C call per entry.
+    fn sink(self, device: usize) -> TraceSink {
+        Arc::new(move |e: &TraceEntry| {
+            let event = sp_trace_event::new(device as c_int, e);
+            // SAFETY: `sp_set_trace_callback`'s contract: the function may be called from any
+            // thread, with an event valid for the call and the caller's `user_data`, until it
+            // is replaced; it does not unwind and does not call slotpool.
+            unsafe { (self.callback)(&event, self.user_data as *mut c_void) }
+        })
+    }
 }
 
 thread_local! {
@@ -409,6 +433,16 @@ impl Runtime {
         }
     }
 
+    /// Hand every allocator event of every device, present and future, to `callback` (`None`:
+    /// stop).
+    pub fn set_trace_callback(&self, callback: Option<TraceCallback>) {
+        let mut pending = self.create.lock().unwrap_or_else(PoisonError::into_inner);
+        pending.trace = callback;
+        for (i, d) in self.created() {
+            each!(d, a => a.set_trace_sink(callback.map(|c| c.sink(i))));
+        }
+    }
+
     /// Give device `peer` access to `device`'s memory (see `sp_enable_peer_access`); remembered
     /// for an allocator not created yet, without creating it.
     pub fn enable_peer_access(&self, device: c_int, peer: c_int) -> Result<()> {
@@ -479,6 +513,9 @@ impl Runtime {
         };
         if pending.history > 0 {
             each!(&alloc, a => a.record_history(pending.history));
+        }
+        if let Some(c) = pending.trace {
+            each!(&alloc, a => a.set_trace_sink(Some(c.sink(i))));
         }
         for &(_, peer) in pending.peers.iter().filter(|&&(d, _)| d == i) {
             // A grant made before the device was used was not checked then; refused now, it

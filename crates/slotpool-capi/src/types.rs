@@ -6,7 +6,9 @@
 use std::ffi::c_int;
 use std::mem::{offset_of, size_of};
 
-use slotpool_core::{MemoryStats, PoolId, PoolOptions, RouteFilter, Stat, StatArray};
+use slotpool_core::{
+    MemoryStats, PoolId, PoolOptions, RouteFilter, Stat, StatArray, TraceAction, TraceEntry,
+};
 
 use crate::error::{Error, Result};
 
@@ -131,8 +133,72 @@ pub struct sp_memory_stats {
     pub max_split_size: i64,
 }
 
+/// What an allocator event was (`sp_trace_action` in C): PyTorch's trace actions.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct sp_trace_action(pub c_int);
+
+impl sp_trace_action {
+    pub const SP_TRACE_ALLOC: sp_trace_action = sp_trace_action(0);
+    pub const SP_TRACE_FREE_REQUESTED: sp_trace_action = sp_trace_action(1);
+    pub const SP_TRACE_FREE_COMPLETED: sp_trace_action = sp_trace_action(2);
+    pub const SP_TRACE_SEGMENT_ALLOC: sp_trace_action = sp_trace_action(3);
+    pub const SP_TRACE_SEGMENT_FREE: sp_trace_action = sp_trace_action(4);
+    pub const SP_TRACE_SEGMENT_MAP: sp_trace_action = sp_trace_action(5);
+    pub const SP_TRACE_SEGMENT_UNMAP: sp_trace_action = sp_trace_action(6);
+    pub const SP_TRACE_OOM: sp_trace_action = sp_trace_action(7);
+}
+
+impl From<TraceAction> for sp_trace_action {
+    fn from(a: TraceAction) -> sp_trace_action {
+        match a {
+            TraceAction::Alloc => Self::SP_TRACE_ALLOC,
+            TraceAction::FreeRequested => Self::SP_TRACE_FREE_REQUESTED,
+            TraceAction::FreeCompleted => Self::SP_TRACE_FREE_COMPLETED,
+            TraceAction::SegmentAlloc => Self::SP_TRACE_SEGMENT_ALLOC,
+            TraceAction::SegmentFree => Self::SP_TRACE_SEGMENT_FREE,
+            TraceAction::SegmentMap => Self::SP_TRACE_SEGMENT_MAP,
+            TraceAction::SegmentUnmap => Self::SP_TRACE_SEGMENT_UNMAP,
+            TraceAction::Oom => Self::SP_TRACE_OOM,
+        }
+    }
+}
+
+/// One allocator event, as an `sp_trace_callback` receives it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct sp_trace_event {
+    pub action: sp_trace_action,
+    pub device: c_int,
+    /// The block, segment or page; 0 for an OOM.
+    pub addr: u64,
+    /// Requested bytes for alloc / free events, the segment's or page's size, the rounded
+    /// request of an OOM.
+    pub size: u64,
+    pub stream: u64,
+    /// Microseconds since the Unix epoch.
+    pub time_us: u64,
+}
+
+impl sp_trace_event {
+    pub(crate) fn new(device: c_int, e: &TraceEntry) -> sp_trace_event {
+        sp_trace_event {
+            action: e.action.into(),
+            device,
+            addr: e.addr,
+            size: e.size,
+            stream: e.stream,
+            time_us: e.time_us,
+        }
+    }
+}
+
 // Layout of the C structs; `tests/c/smoke.c` asserts the same numbers.
 const _: () = {
+    assert!(size_of::<sp_trace_action>() == size_of::<c_int>());
+    assert!(size_of::<sp_trace_event>() == 40);
+    assert!(offset_of!(sp_trace_event, addr) == 8);
+    assert!(offset_of!(sp_trace_event, time_us) == 32);
     assert!(size_of::<sp_pool_id>() == 16);
     assert!(offset_of!(sp_pool_id, b) == 8);
     assert!(size_of::<sp_pool_options>() == 16);

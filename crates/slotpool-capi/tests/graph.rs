@@ -262,6 +262,82 @@ fn history_appears_in_the_snapshot() {
     expect(sp_record_history(99, 1), sp_status::SP_ERR_INVALID_ARGUMENT);
 }
 
+/// Events the trace callback received: (device, action, addr, size).
+static TRACED: std::sync::Mutex<Vec<(i32, i32, u64, u64)>> = std::sync::Mutex::new(Vec::new());
+
+unsafe extern "C" fn trace_into(event: *const sp_trace_event, user_data: *mut c_void) {
+    // SAFETY: slotpool passes an event valid for the call.
+    let e = unsafe { &*event };
+    assert_eq!(user_data as usize, 0x5107, "user_data passed through");
+    TRACED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((e.device, e.action.0, e.addr, e.size));
+}
+
+#[test]
+fn the_trace_callback_sees_events_as_they_happen() {
+    let _quiet = exclusive(SHARED);
+    // SAFETY: `trace_into` is callable from any thread, does not call slotpool and cannot unwind
+    // (an assertion failing inside it aborts the test, which is a failure too).
+    ok(unsafe { sp_set_trace_callback(Some(trace_into), 0x5107 as *mut c_void) });
+    let mut p = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_alloc(SHARED, 3000, 0, &mut p) });
+    ok(sp_free(p));
+    // Growth: with nothing cached, 40 MiB maps pages (or allocates a segment) first.
+    ok(sp_empty_cache(SHARED));
+    let mut big = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_alloc(SHARED, 40 * MIB, 0, &mut big) });
+    ok(sp_free(big));
+    // Every device has the callback.
+    let mut q = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_alloc(SHARED + 1, 700, 0, &mut q) });
+    // SAFETY: NULL detaches.
+    ok(unsafe { sp_set_trace_callback(None, null_mut()) });
+    ok(sp_free(q));
+    let traced = std::mem::take(&mut *TRACED.lock().unwrap());
+    let of = |addr: *mut c_void| -> Vec<(i32, i32, u64)> {
+        traced
+            .iter()
+            .filter(|t| t.2 == addr as u64 && t.1 <= sp_trace_action::SP_TRACE_FREE_COMPLETED.0)
+            .map(|&(d, a, _, s)| (d, a, s))
+            .collect()
+    };
+    let (alloc, requested, completed) = (
+        sp_trace_action::SP_TRACE_ALLOC.0,
+        sp_trace_action::SP_TRACE_FREE_REQUESTED.0,
+        sp_trace_action::SP_TRACE_FREE_COMPLETED.0,
+    );
+    assert_eq!(
+        of(p),
+        [
+            (SHARED, alloc, 3000),
+            (SHARED, requested, 3000),
+            (SHARED, completed, 3000)
+        ],
+        "{traced:?}"
+    );
+    assert_eq!(of(q), [(SHARED + 1, alloc, 700)], "nothing after detaching");
+    let big = big as u64;
+    let grown: u64 = traced
+        .iter()
+        .filter(|t| {
+            (t.1 == sp_trace_action::SP_TRACE_SEGMENT_ALLOC.0
+                || t.1 == sp_trace_action::SP_TRACE_SEGMENT_MAP.0)
+                && t.2 < big + 40 * MIB as u64
+                && big < t.2 + t.3
+        })
+        .map(|t| t.3)
+        .sum();
+    assert!(
+        grown >= 40 * MIB as u64,
+        "growth under the block: {grown} B; {traced:?}"
+    );
+}
+
 /// This thread's snapshot of `device` as JSON.
 fn snapshot(device: i32) -> serde_json::Value {
     let (mut json, mut len) = (null_mut(), 0usize);

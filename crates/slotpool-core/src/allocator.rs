@@ -17,6 +17,7 @@ use crate::config::{Config, GrowthMode};
 use crate::device::{CaptureStatus, Device, DevicePtr, StreamId};
 use crate::env::{Budget, Env, EventPool, PagePool, Shared};
 use crate::error::{AllocError, AllocResult, OomReport};
+use crate::history::TraceSink;
 use crate::pool::{PoolId, PoolOptions};
 use crate::route::{Route, RouteFilter, current_thread_id};
 use crate::shard::{Shard, ShardError};
@@ -1181,6 +1182,13 @@ impl<D: Device> Allocator<D> {
     /// `torch.cuda.memory._record_memory_history` does.
     pub fn record_history(&self, max_entries: usize) {
         self.shared.trace.set(max_entries);
+    }
+
+    /// Hand every trace entry to `sink` as it is made (`None` detaches): PyTorch's
+    /// `attachAllocatorTraceTracker`. The sink runs under a shard's lock and must not call the
+    /// allocator.
+    pub fn set_trace_sink(&self, sink: Option<TraceSink>) {
+        self.shared.trace.set_sink(sink);
     }
 
     /// Forget the recorded history.

@@ -1,11 +1,13 @@
 //! The allocation history: a ring of trace entries in PyTorch's snapshot format
-//! (`torch.cuda.memory._record_memory_history`), recorded only while enabled.
+//! (`torch.cuda.memory._record_memory_history`), recorded only while enabled, and a *sink* that
+//! sees every entry as it happens (PyTorch's `attachAllocatorTraceTracker`, through which NCCL
+//! registers segments).
 //!
-//! The hot path pays one relaxed load while recording is off.
+//! The hot path pays one relaxed load while neither is on.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
@@ -46,18 +48,53 @@ pub struct TraceEntry {
     pub time_us: u64,
 }
 
-/// A bounded ring of trace entries, oldest first.
-#[derive(Debug, Default)]
+/// Called with every trace entry as it is made, under the lock of the shard that made it: it
+/// must not call the allocator (as PyTorch's trace trackers must not call PyTorch).
+pub type TraceSink = Arc<dyn Fn(&TraceEntry) + Send + Sync>;
+
+/// A bounded ring of trace entries, oldest first, and the sink.
+#[derive(Default)]
 pub struct TraceRing {
-    enabled: AtomicBool,
+    /// Recording, or a sink attached: the one load of the hot path.
+    active: AtomicBool,
+    recording: AtomicBool,
     ring: Mutex<(VecDeque<TraceEntry>, usize)>,
+    /// A leaf lock: the sink is cloned out of it before it is called.
+    sink: RwLock<Option<TraceSink>>,
+}
+
+impl std::fmt::Debug for TraceRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceRing")
+            .field("recording", &self.enabled())
+            .field("sink", &self.has_sink())
+            .finish_non_exhaustive()
+    }
 }
 
 impl TraceRing {
-    /// True while recording.
+    /// True while recording into the ring.
     #[inline]
     pub fn enabled(&self) -> bool {
-        self.enabled.load(Ordering::Relaxed)
+        self.recording.load(Ordering::Relaxed)
+    }
+
+    fn has_sink(&self) -> bool {
+        self.sink
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    fn update_active(&self) {
+        self.active
+            .store(self.enabled() || self.has_sink(), Ordering::Relaxed);
+    }
+
+    /// Attach `sink` (replacing any), or detach with `None`.
+    pub fn set_sink(&self, sink: Option<TraceSink>) {
+        *self.sink.write().unwrap_or_else(|e| e.into_inner()) = sink;
+        self.update_active();
     }
 
     /// Start recording into a ring of `max_entries` (0 stops; entries are kept until `clear`).
@@ -69,7 +106,9 @@ impl TraceRing {
                 g.0.pop_front();
             }
         }
-        self.enabled.store(max_entries > 0, Ordering::Relaxed);
+        self.recording.store(max_entries > 0, Ordering::Relaxed);
+        drop(g);
+        self.update_active();
     }
 
     /// Forget every entry.
@@ -77,10 +116,10 @@ impl TraceRing {
         lock(&self.ring).0.clear();
     }
 
-    /// Record one entry if recording (one relaxed load when not).
+    /// Record one entry if recording, and hand it to the sink (one relaxed load when neither).
     #[inline(always)]
     pub fn record(&self, action: TraceAction, addr: DevicePtr, size: u64, stream: StreamId) {
-        if self.enabled() {
+        if self.active.load(Ordering::Relaxed) {
             self.record_entry(action, addr, size, stream);
         }
     }
@@ -88,9 +127,22 @@ impl TraceRing {
     #[cold]
     #[inline(never)]
     fn record_entry(&self, action: TraceAction, addr: DevicePtr, size: u64, stream: StreamId) {
-        let time_us = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros() as u64);
+        let entry = TraceEntry {
+            action,
+            addr,
+            size,
+            stream,
+            time_us: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64),
+        };
+        let sink = self.sink.read().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(sink) = sink {
+            sink(&entry);
+        }
+        if !self.enabled() {
+            return;
+        }
         let mut g = lock(&self.ring);
         if g.1 == 0 || !self.enabled() {
             return;
@@ -98,13 +150,7 @@ impl TraceRing {
         if g.0.len() == g.1 {
             g.0.pop_front();
         }
-        g.0.push_back(TraceEntry {
-            action,
-            addr,
-            size,
-            stream,
-            time_us,
-        });
+        g.0.push_back(entry);
     }
 
     /// The entries, oldest first.
@@ -137,5 +183,34 @@ mod tests {
         assert_eq!(r.entries().len(), 2, "kept after stopping, nothing new");
         r.clear();
         assert!(r.entries().is_empty());
+    }
+
+    #[test]
+    fn the_sink_sees_every_entry_whether_or_not_recording() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let r = TraceRing::default();
+        let s = seen.clone();
+        r.set_sink(Some(Arc::new(move |e: &TraceEntry| {
+            s.lock().unwrap().push((e.action, e.addr))
+        })));
+        r.record(TraceAction::SegmentAlloc, 1, 2, 0);
+        r.set(4);
+        r.record(TraceAction::Alloc, 2, 2, 0);
+        assert_eq!(
+            r.entries().len(),
+            1,
+            "only the entry made while recording is kept"
+        );
+        r.set(0);
+        r.set_sink(None);
+        r.record(TraceAction::SegmentFree, 3, 2, 0);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![(TraceAction::SegmentAlloc, 1), (TraceAction::Alloc, 2)]
+        );
+        assert!(
+            !r.active.load(Ordering::Relaxed),
+            "nothing left to do on the hot path"
+        );
     }
 }

@@ -47,7 +47,7 @@ pub use device::{
     CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PageHandle, StreamId,
 };
 pub use error::{AllocError, AllocResult, OomReport};
-pub use history::{TraceAction, TraceEntry};
+pub use history::{TraceAction, TraceEntry, TraceSink};
 pub use pool::{PoolId, PoolOptions};
 pub use route::{RouteFilter, current_thread_id};
 pub use stats::{MemoryStats, Stat, StatArray};
