@@ -103,6 +103,38 @@ print(json.dumps(out))
 """
 
 
+TRACKER_SRC = r"""
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+namespace {
+std::mutex mu;
+std::vector<std::tuple<int64_t, int64_t, int64_t>> events_seen;
+}
+
+void attach() {
+  c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(
+      [](const c10::CachingDeviceAllocator::TraceEntry& te) {
+        std::lock_guard<std::mutex> lk(mu);
+        events_seen.emplace_back(static_cast<int64_t>(te.action_), static_cast<int64_t>(te.addr_),
+                                 static_cast<int64_t>(te.size_));
+      });
+}
+
+std::vector<std::vector<int64_t>> take() {
+  std::lock_guard<std::mutex> lk(mu);
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& [a, addr, size] : events_seen) {
+    out.push_back({a, addr, size});
+  }
+  events_seen.clear();
+  return out;
+}
+"""
+
+
 def c_build(alloc, arg):
     import torch
     sys.path.insert(0, PLUGIN)
@@ -419,6 +451,31 @@ def c_api(alloc, arg):
         assert r["reserved_before"] == 1024 << 20, r
         assert r["reserved_after"] == 300 << 20, r
 
+    def trace_tracker():
+        # attachAllocatorTraceTracker (what NCCL's segment registration uses): a C++ tracker sees
+        # a tensor's alloc and frees as they happen, and the memory added for a 64 MiB tensor
+        # after empty_cache (a segment allocation, or page maps under slotpool).
+        from torch.utils.cpp_extension import load_inline
+        ext = load_inline(name="sp_trace_tracker", cpp_sources=[TRACKER_SRC],
+                          functions=["attach", "take"], verbose=False)
+        ext.attach()
+        x = torch.empty(3000, dtype=torch.uint8, device=dev)
+        p = x.data_ptr()
+        del x
+        torch.cuda.synchronize()
+        ev = ext.take()
+        mine = [(a, s) for a, addr, s in ev if addr == p and a <= 2]
+        assert mine == [(0, 3000), (1, 3000), (2, 3000)], (mine, ev[:20])
+        torch.cuda.empty_cache()
+        ext.take()
+        y = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+        q = y.data_ptr()
+        ev = ext.take()
+        grown = sum(s for a, addr, s in ev if a in (3, 5) and addr < q + (64 << 20) and q < addr + s)
+        keep["trace_tracker"] = {"events": len(ev), "grown_under_block": grown}
+        assert grown >= 64 << 20, (grown, ev[:20])
+        del y
+
     def ipc():
         # torch.multiprocessing: a CUDA tensor sent to a spawned process, which opens the
         # handle with its own allocator (PyTorch's, and slotpool's under slotpool), checks the
@@ -622,13 +679,14 @@ def c_api(alloc, arg):
               ("graph_side_stream", graph_side_stream), ("graph_shared_pool", graph_shared_pool),
               ("graphed_callables", graphed_callables), ("cudnn_benchmark", cudnn_bench),
               ("memory_fraction", fraction), ("mem_get_info", mem_get_info), ("multi_gpu", multi_gpu), ("ipc", ipc), ("alloc_conf", alloc_conf),
+              ("trace_tracker", trace_tracker),
               ("sp_named_pool", sp_named_pool), ("sp_checkpoint_restore", sp_checkpoint_restore),
               ("sp_arena", sp_arena), ("sp_variants_small", sp_variants_small),
               ("sp_mark_reusable", sp_mark_reusable),
               ("compile_reduce_overhead", compile_ro), ("oom", oom),
               ("sp_orphan_pins_pool", sp_orphan_pins_pool)]
     res = {"checks": run_checks(checks), "memory_stats_keys": keep.get("keys", []),
-           "alloc_conf": keep.get("alloc_conf")}
+           "alloc_conf": keep.get("alloc_conf"), "trace_tracker": keep.get("trace_tracker")}
     res["ok"] = all(v == "ok" or v.startswith("skipped") for v in res["checks"].values())
     return res
 
@@ -991,7 +1049,9 @@ def s_api():
     return {"ok": bool(checks) and not failing and not (nk - sk),
             "failing": failing, "missing_stats_keys": sorted(nk - sk), "extra_stats_keys": sorted(sk - nk),
             "slotpool_checks": checks, "native_checks": native_checks,
-            "errors": {k: r.get("error") for k, r in (("native", native), ("slotpool", slot)) if r.get("error")}}
+            "errors": {k: r.get("error") for k, r in (("native", native), ("slotpool", slot)) if r.get("error")},
+            "details": {k: {d: r.get(d) for d in ("alloc_conf", "trace_tracker")}
+                        for k, r in (("native", native), ("slotpool", slot))}}
 
 
 def pooled_median(*runs):
