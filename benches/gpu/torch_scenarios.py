@@ -456,8 +456,9 @@ def c_api(alloc, arg):
         # a tensor's alloc and frees as they happen, and the memory added for a 64 MiB tensor
         # after empty_cache (a segment allocation, or page maps under slotpool).
         from torch.utils.cpp_extension import load_inline
+        # with_cuda: c10's CUDA headers include cuda_runtime.h.
         ext = load_inline(name="sp_trace_tracker", cpp_sources=[TRACKER_SRC],
-                          functions=["attach", "take"], verbose=False)
+                          functions=["attach", "take"], with_cuda=True, verbose=False)
         ext.attach()
         x = torch.empty(3000, dtype=torch.uint8, device=dev)
         p = x.data_ptr()
