@@ -247,9 +247,9 @@ std::string torch_conf_from_env() {
 
 std::string torch_conf_for_slotpool(const std::string& torch_conf,
                                     std::vector<std::string>* skipped) {
-  static const char* const kSame[] = {"max_split_size_mb", "max_non_split_rounding_mb",
-                                      "roundup_power2_divisions",
-                                      "garbage_collection_threshold", "expandable_segments"};
+  static const char* const kSame[] = {"max_split_size_mb",        "max_non_split_rounding_mb",
+                                      "roundup_power2_divisions", "garbage_collection_threshold",
+                                      "expandable_segments",      "per_process_memory_fraction"};
   std::string out;
   std::string part;
   int depth = 0;

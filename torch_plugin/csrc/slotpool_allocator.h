@@ -90,7 +90,8 @@ void check(sp_status st, const char* what);
 
 // PyTorch's allocator settings string (PYTORCH_ALLOC_CONF's syntax) as slotpool configuration:
 // the keys that slotpool applies the same way (max_split_size_mb, max_non_split_rounding_mb,
-// roundup_power2_divisions, garbage_collection_threshold, expandable_segments), in order. The
+// roundup_power2_divisions, garbage_collection_threshold, expandable_segments,
+// per_process_memory_fraction), in order. The
 // other keys (backend, pinned_*, release_lock_on_cudamalloc, ...) go to `skipped` when given.
 std::string torch_conf_for_slotpool(const std::string& torch_conf,
                                     std::vector<std::string>* skipped);

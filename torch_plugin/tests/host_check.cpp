@@ -238,10 +238,11 @@ void check_torch_conf() {
   std::string c = slotpool_torch::torch_conf_for_slotpool(
       " max_split_size_mb:128, pinned_use_cuda_host_register:True,"
       "roundup_power2_divisions:[256:1,512:2,>:4],backend:native,"
-      "garbage_collection_threshold:0.6,expandable_segments:False",
+      "garbage_collection_threshold:0.6,expandable_segments:False,per_process_memory_fraction:0.5",
       &skipped);
   expect(c == "max_split_size_mb:128,roundup_power2_divisions:[256:1,512:2,>:4],"
-              "garbage_collection_threshold:0.6,expandable_segments:False",
+              "garbage_collection_threshold:0.6,expandable_segments:False,"
+              "per_process_memory_fraction:0.5",
          "torch conf translated: " + c);
   expect(skipped == std::vector<std::string>{"pinned_use_cuda_host_register", "backend"},
          "torch conf skipped keys");
