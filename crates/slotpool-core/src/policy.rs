@@ -48,13 +48,16 @@ fn floor_log2(x: u64) -> u32 {
 
 impl SizePolicy {
     /// The divisions that apply to `size` (`roundup_power2_divisions(size)`).
+    #[inline]
     pub fn divisions_for(&self, size: u64) -> u64 {
         let log = floor_log2(size.max(1));
         let index = log.saturating_sub(20).min(ROUNDUP_BUCKETS as u32 - 1);
         self.roundup_power2_divisions[index as usize]
     }
 
-    /// The block size a request of `size` bytes gets (`round_size`).
+    /// The block size a request of `size` bytes gets (`round_size`). Inlined: every allocation
+    /// calls it.
+    #[inline]
     pub fn round_size(&self, size: u64) -> u64 {
         if size < MIN_BLOCK_SIZE {
             return MIN_BLOCK_SIZE;

@@ -555,7 +555,9 @@ impl Shard {
         Ok((id, addr))
     }
 
-    /// Statistics of a block of `size` bytes (`requested` asked) handed to the user.
+    /// Statistics of a block of `size` bytes (`requested` asked) handed to the user. Inlined
+    /// into the quick cache's hit, where a call's register saves were a tenth of its cost.
+    #[inline(always)]
     fn count_handed_out(
         &mut self,
         env: &Env<'_>,
@@ -581,26 +583,27 @@ impl Shard {
 
     /// The user frees block `id`. It becomes free at once unless other streams used it.
     pub fn free(&mut self, env: &Env<'_>, ptr: DevicePtr) -> Result<(), ShardError> {
-        let id = self.lookup(ptr).ok_or(ShardError::UnknownPointer)?;
+        // One look at the block and one at its segment: this is half of every pair.
+        let id = *self.live.get(&ptr).ok_or(ShardError::UnknownPointer)?;
         let b = &self.blocks[id];
-        let (size, small, oversize) = {
-            let seg = &self.segments[b.segment];
-            (
-                b.size,
-                seg.small,
-                !seg.is_vmm() && env.policy.is_oversize(b.size),
-            )
+        if b.state != BlockState::Allocated {
+            return Err(ShardError::UnknownPointer);
+        }
+        let (size, requested, seg, uses_empty) =
+            (b.size, b.requested, b.segment, b.stream_uses.is_empty());
+        let (small, vmm) = {
+            let s = &self.segments[seg];
+            (s.small, s.is_vmm())
         };
         self.stats.allocation.dec(small, 1);
         self.stats.allocated_bytes.dec(small, size as i64);
         self.count_allocated(env, -(size as i64));
-        let b = &self.blocks[id];
         env.trace
-            .record(TraceAction::FreeRequested, b.addr, b.requested, self.stream);
-        if oversize {
+            .record(TraceAction::FreeRequested, ptr, requested, self.stream);
+        if !vmm && env.policy.is_oversize(size) {
             self.stats.oversize_allocations.update(-1);
         }
-        if self.blocks[id].stream_uses.is_empty() {
+        if uses_empty {
             if self.quick_credit <= 0 {
                 self.quick_credit -= 1;
                 if self.quick_credit <= -QUICK_PROBE_EVERY {
@@ -609,12 +612,12 @@ impl Shard {
             }
             if self.quick_credit > 0
                 && self.quick.len() < QUICK_MAX
-                && policy::is_small(self.blocks[id].size)
+                && policy::is_small(size)
                 && !self.quick_off
                 && !env.capture_underway
                 && !self.journaling()
             {
-                self.cache_block(env, id);
+                self.cache_block(env, id, small, vmm);
             } else {
                 self.live.remove(&ptr);
                 self.free_block(env, id);
@@ -783,24 +786,30 @@ impl Shard {
     // ----------------------------------------------------------------------------------------
     // The quick cache (invariant 9)
 
-    /// The user freed block `id` (no other stream used it): keep it whole in the quick cache.
-    fn cache_block(&mut self, env: &Env<'_>, id: BlockId) {
-        let (addr, size, requested, seg) = {
+    /// The user freed block `id` (no other stream used it, its segment is `small` / `vmm`):
+    /// keep it whole in the quick cache.
+    #[inline(always)]
+    fn cache_block(&mut self, env: &Env<'_>, id: BlockId, small: bool, vmm: bool) {
+        let (addr, size, requested, split) = {
             let b = &mut self.blocks[id];
             b.state = BlockState::Cached;
-            let r = (b.addr, b.size, b.requested, b.segment);
+            let r = (
+                b.addr,
+                b.size,
+                b.requested,
+                b.prev().is_some() || b.next().is_some(),
+            );
             b.requested = 0;
             r
         };
-        let small = self.segments[seg].small;
         env.trace
             .record(TraceAction::FreeCompleted, addr, requested, self.stream);
-        let inactive_split = self.is_inactive_split(id);
         let st = &mut self.stats;
         st.active.dec(small, 1);
         st.active_bytes.dec(small, size as i64);
         st.requested_bytes.dec(small, requested as i64);
-        if inactive_split {
+        // `is_inactive_split`, from what is at hand.
+        if !vmm && split {
             st.inactive_split.inc(small, 1);
             st.inactive_split_bytes.inc(small, size as i64);
         }
@@ -808,19 +817,28 @@ impl Shard {
     }
 
     /// Hand out cached block `id` again, for `requested` bytes.
+    #[inline(always)]
     fn take_cached(&mut self, env: &Env<'_>, id: BlockId, requested: u64) -> (BlockId, DevicePtr) {
-        let (addr, size, seg) = {
+        let (addr, size, seg, split) = {
             let b = &mut self.blocks[id];
             debug_assert_eq!(b.state, BlockState::Cached);
             b.state = BlockState::Allocated;
             b.requested = requested;
-            (b.addr, b.size, b.segment)
+            (
+                b.addr,
+                b.size,
+                b.segment,
+                b.prev().is_some() || b.next().is_some(),
+            )
         };
-        let (small, vmm) = (self.segments[seg].small, self.segments[seg].is_vmm());
-        let inactive_split = self.is_inactive_split(id);
+        let (small, vmm) = {
+            let s = &self.segments[seg];
+            (s.small, s.is_vmm())
+        };
         env.trace
             .record(TraceAction::Alloc, addr, requested, self.stream);
-        if inactive_split {
+        // `is_inactive_split`, from what is at hand.
+        if !vmm && split {
             self.stats.inactive_split.dec(small, 1);
             self.stats.inactive_split_bytes.dec(small, size as i64);
         }
