@@ -710,8 +710,8 @@ fn large_pages_keep_small_blocks_in_classic_segments() {
     let large = a.alloc(9 * MIB, 0).unwrap();
     let st = a.stats();
     // A small block takes a 2 MiB classic segment, not an 8 MiB page; the large one two pages.
-    assert_eq!(st.reserved_bytes.small_pool.current, 2 * MIB as i64);
-    assert_eq!(st.reserved_bytes.large_pool.current, 16 * MIB as i64);
+    assert_eq!(st.reserved_bytes.small_pool().current, 2 * MIB as i64);
+    assert_eq!(st.reserved_bytes.large_pool().current, 16 * MIB as i64);
     let snap = a.snapshot();
     assert!(snap.iter().any(|s| s.small && !s.vmm && s.size == 2 * MIB));
     assert!(snap.iter().any(|s| !s.small && s.vmm));

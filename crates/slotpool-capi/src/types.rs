@@ -237,8 +237,8 @@ impl From<&StatArray> for sp_stat_array {
     fn from(a: &StatArray) -> sp_stat_array {
         sp_stat_array {
             all: (&a.all()).into(),
-            small_pool: (&a.small_pool).into(),
-            large_pool: (&a.large_pool).into(),
+            small_pool: a.small_pool().into(),
+            large_pool: a.large_pool().into(),
         }
     }
 }

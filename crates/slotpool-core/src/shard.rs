@@ -1732,13 +1732,13 @@ impl Shard {
                 ("all", have.all().current, want.all().current),
                 (
                     "small_pool",
-                    have.small_pool.current,
-                    want.small_pool.current,
+                    have.small_pool().current,
+                    want.small_pool().current,
                 ),
                 (
                     "large_pool",
-                    have.large_pool.current,
-                    want.large_pool.current,
+                    have.large_pool().current,
+                    want.large_pool().current,
                 ),
             ] {
                 if h != w {

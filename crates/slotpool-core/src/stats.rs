@@ -109,19 +109,34 @@ pub enum StatType {
 /// Only the two pools are counted; `all` is their sum ([`StatArray::all`]), except its peak,
 /// which is kept: the peak of a sum is not the sum of the peaks. An update then stores one
 /// pool's fields, not two statistics' (half the stores of an alloc + free pair's statistics).
+///
+/// The pools are an array indexed by `small as usize` (large, small): every update of a pair's
+/// five statistics then addresses its pool with one shared index, where two named fields made
+/// the compiler select a pointer per statistic.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StatArray {
-    pub small_pool: Stat,
-    pub large_pool: Stat,
-    /// Peak of `small_pool.current + large_pool.current`.
+    pools: [Stat; 2],
+    /// Peak of the two pools' `current` summed.
     all_peak: i64,
 }
 
 impl StatArray {
+    /// The small pool (blocks of at most 1 MiB).
+    #[inline]
+    pub fn small_pool(&self) -> &Stat {
+        &self.pools[1]
+    }
+
+    /// The large pool.
+    #[inline]
+    pub fn large_pool(&self) -> &Stat {
+        &self.pools[0]
+    }
+
     /// Both pools together.
     #[inline]
     pub fn all(&self) -> Stat {
-        let (s, l) = (&self.small_pool, &self.large_pool);
+        let [l, s] = &self.pools;
         let current = s.current + l.current;
         Stat {
             current,
@@ -134,7 +149,7 @@ impl StatArray {
     /// Set `all`'s peak, known better than from the pools (a device-wide counter); never below
     /// the current value.
     pub fn set_all_peak(&mut self, peak: i64) {
-        self.all_peak = peak.max(self.small_pool.current + self.large_pool.current);
+        self.all_peak = peak.max(self.pools[0].current + self.pools[1].current);
     }
 
     /// Update the breakdown named by `small` (and so `all`).
@@ -150,8 +165,8 @@ impl StatArray {
     /// [`StatArray::update`] by `amount >= 0`.
     #[inline]
     pub fn inc(&mut self, small: bool, amount: i64) {
-        self.class(small).inc(amount);
-        let all = self.small_pool.current + self.large_pool.current;
+        self.pools[small as usize].inc(amount);
+        let all = self.pools[0].current + self.pools[1].current;
         if all > self.all_peak {
             self.all_peak = all;
         }
@@ -160,35 +175,29 @@ impl StatArray {
     /// [`StatArray::update`] by `-amount`, `amount >= 0`.
     #[inline]
     pub fn dec(&mut self, small: bool, amount: i64) {
-        self.class(small).dec(amount);
-    }
-
-    #[inline]
-    fn class(&mut self, small: bool) -> &mut Stat {
-        if small {
-            &mut self.small_pool
-        } else {
-            &mut self.large_pool
-        }
+        self.pools[small as usize].dec(amount);
     }
 
     fn merge(&mut self, other: &StatArray) {
         // Peaks add up, as the pools' do (an upper bound of the merged peak).
         let peak = self.all().peak + other.all().peak;
-        self.small_pool.merge(&other.small_pool);
-        self.large_pool.merge(&other.large_pool);
+        for (p, o) in self.pools.iter_mut().zip(&other.pools) {
+            p.merge(o);
+        }
         self.all_peak = peak;
     }
 
     fn reset_peak(&mut self) {
-        self.small_pool.reset_peak();
-        self.large_pool.reset_peak();
-        self.all_peak = self.small_pool.current + self.large_pool.current;
+        for p in &mut self.pools {
+            p.reset_peak();
+        }
+        self.all_peak = self.pools[0].current + self.pools[1].current;
     }
 
     fn reset_totals(&mut self) {
-        self.small_pool.reset_totals();
-        self.large_pool.reset_totals();
+        for p in &mut self.pools {
+            p.reset_totals();
+        }
     }
 }
 
@@ -198,8 +207,8 @@ impl Serialize for StatArray {
         use serde::ser::SerializeStruct;
         let mut st = ser.serialize_struct("StatArray", 3)?;
         st.serialize_field("all", &self.all())?;
-        st.serialize_field("small_pool", &self.small_pool)?;
-        st.serialize_field("large_pool", &self.large_pool)?;
+        st.serialize_field("small_pool", self.small_pool())?;
+        st.serialize_field("large_pool", self.large_pool())?;
         st.end()
     }
 }
@@ -318,8 +327,8 @@ impl MemoryStats {
         for (name, arr) in names.iter().zip(self.arrays()) {
             for (pool, s) in [
                 ("all", &arr.all()),
-                ("small_pool", &arr.small_pool),
-                ("large_pool", &arr.large_pool),
+                ("small_pool", arr.small_pool()),
+                ("large_pool", arr.large_pool()),
             ] {
                 put_stat(&mut out, &format!("{name}.{pool}"), s);
             }
@@ -375,7 +384,7 @@ mod tests {
         }
         assert_eq!(by_update, by_sign);
         assert_eq!(by_sign.all().peak, 12);
-        assert_eq!(by_sign.small_pool.current, 4);
+        assert_eq!(by_sign.small_pool().current, 4);
     }
 
     /// The plain definition the counters are checked against: three statistics, each with all
@@ -458,8 +467,8 @@ mod tests {
                         }
                     }
                     assert!(plain[0].same(&a.all()), "all: {:?} vs {:?}", plain[0], a.all());
-                    assert!(plain[1].same(&a.small_pool));
-                    assert!(plain[2].same(&a.large_pool));
+                    assert!(plain[1].same(a.small_pool()));
+                    assert!(plain[2].same(a.large_pool()));
                 }
                 (a, plain)
             };
