@@ -958,6 +958,15 @@ impl Shard {
             let SegmentKind::Vmm(pt) = &self.segments[seg].kind else {
                 return Ok(());
             };
+            // Mapped already: the common case of every large allocation, answered without
+            // building the list.
+            if pt
+                .handle
+                .get(first..end)
+                .is_some_and(|h| h.iter().all(Option::is_some))
+            {
+                return Ok(());
+            }
             (first..end).filter(|&p| !pt.is_mapped(p)).collect()
         };
         if missing.is_empty() {
