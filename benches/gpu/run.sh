@@ -8,7 +8,7 @@
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch_host torch
 # On demand: record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
 # (growth cost per chunk size), host_sim (the criterion host-cost bench on this host), host_abi
-# (sp_alloc + sp_free through the .so, simulated device and CUDA), cpu_probe (the same, pinned to
+# (sp_alloc + sp_free through the .so, simulated device and CUDA, one thread and 16), cpu_probe (the same, pinned to
 # each CPU in turn)
 # Env: TORCH_SCENARIOS, TORCH_TIMEOUT, CHILD_TIMEOUT, CHILD_CPUS (pin torch children, "2-9"),
 # PARITY_WORKLOADS, PARITY_RUNS, PARITY_STEPS, KINDS, SKIP_UNCACHED
@@ -130,6 +130,17 @@ if has host_abi; then
         done
       done
     done
+    # The same pairs on 1 and 16 threads, each on its own stream: what a backend adds across
+    # threads, outside PyTorch's process (benches/c/threads_dlopen.c).
+    if gcc -O2 -pthread -o "$BUILD/threads_dlopen" benches/c/threads_dlopen.c -ldl \
+      >>"$OUT/host_abi_build.log" 2>&1; then
+      for b in sim cuda; do
+        for sz in 4096 67108864; do
+          timeout 120 "$BUILD/threads_dlopen" "$LIB/libslotpool.so" "$sz" "$b" 16 100000 \
+            >>"$OUT/host_abi.log" 2>&1
+        done
+      done
+    fi
     cat "$OUT/host_abi.log"
     grep '^{' "$OUT/host_abi.log" | sed 's/^{/{"step": "host_abi", /' >>"$RES"
     if command -v perf >/dev/null; then # where a pair's time goes, per backend

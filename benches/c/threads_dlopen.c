@@ -1,0 +1,90 @@
+/* Host cost of sp_alloc + sp_free on 1..N threads through the shared library, each thread on its
+ * own stream, outside any PyTorch process: alloc_bench's "same" pattern in a plain C program, to
+ * tell what a backend adds across threads (on the H200, 64 MiB pairs through CUDA cost a thread
+ * 1.7x more at 4 threads, the simulated device 1.16x; docs/benchmarks.md, eighth session).
+ *
+ *   cargo build --release -p slotpool-capi
+ *   gcc -O2 -pthread -o /tmp/threads_dlopen benches/c/threads_dlopen.c -ldl
+ *   /tmp/threads_dlopen target/release/libslotpool.so [SIZE [BACKEND [THREADS [PAIRS]]]]
+ *
+ * BACKEND is "sim" (default) or "cuda"; on CUDA each thread gets a non-blocking stream from
+ * libcudart (dlopen'ed), on the sim stream ids 1..N. Prints, for 1 and for THREADS threads
+ * (default 16), the median of 5 runs of PAIRS pairs a thread (default 200,000): ns per pair per
+ * thread, and the aggregate ns per pair. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+typedef int (*alloc_t)(int, size_t, uint64_t, void**);
+typedef int (*free_t)(void*);
+typedef int (*init_t)(const char*, const char*);
+typedef int (*stream_create_t)(void**, unsigned);
+static alloc_t a;
+static free_t f;
+static size_t size;
+static long pairs;
+static volatile int go;
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e9 + t.tv_nsec; }
+typedef struct { uint64_t stream; int failed; } worker;
+static void* run(void* arg) {
+  worker* w = arg;
+  void* p;
+  while (!go) {}
+  for (long i = 0; i < pairs; i++) {
+    if (a(0, size, w->stream, &p)) { w->failed = 1; return 0; }
+    f(p);
+  }
+  return 0;
+}
+static int cmp(const void* x, const void* y) { double d = *(const double*)x - *(const double*)y; return (d > 0) - (d < 0); }
+/* Wall ns per pair per thread, with n threads at once. */
+static double once(int n, uint64_t* streams) {
+  pthread_t t[256];
+  worker w[256];
+  go = 0;
+  for (int i = 0; i < n; i++) { w[i].stream = streams[i]; w[i].failed = 0; pthread_create(&t[i], 0, run, &w[i]); }
+  double t0 = now();
+  go = 1;
+  for (int i = 0; i < n; i++) pthread_join(t[i], 0);
+  double wall = now() - t0;
+  for (int i = 0; i < n; i++) if (w[i].failed) { fprintf(stderr, "sp_alloc failed\n"); exit(3); }
+  return wall / (double)pairs;
+}
+int main(int argc, char** argv) {
+  if (argc < 2) { fprintf(stderr, "usage: %s LIBSLOTPOOL [SIZE [BACKEND [THREADS [PAIRS]]]]\n", argv[0]); return 1; }
+  void* h = dlopen(argv[1], RTLD_NOW);
+  if (!h) { printf("%s\n", dlerror()); return 1; }
+  init_t in = (init_t)dlsym(h, "sp_init");
+  a = (alloc_t)dlsym(h, "sp_alloc");
+  f = (free_t)dlsym(h, "sp_free");
+  size = argc > 2 ? strtoull(argv[2], 0, 0) : (64u << 20);
+  const char* backend = argc > 3 ? argv[3] : "sim";
+  int n = argc > 4 ? atoi(argv[4]) : 16;
+  pairs = argc > 5 ? atol(argv[5]) : 200000;
+  if (n < 1 || n > 256) return 1;
+  int sim = backend[0] == 's';
+  if (in(backend, sim ? "sim_devices:1" : "")) return 2;
+  uint64_t streams[256];
+  for (int i = 0; i < n; i++) streams[i] = (uint64_t)(i + 1);
+  if (!sim) {
+    void* rt = dlopen("libcudart.so", RTLD_NOW);
+    stream_create_t sc = rt ? (stream_create_t)dlsym(rt, "cudaStreamCreateWithFlags") : 0;
+    if (!sc) { fprintf(stderr, "no libcudart.so\n"); return 4; }
+    for (int i = 0; i < n; i++) { void* s; if (sc(&s, 1)) return 5; streams[i] = (uint64_t)(uintptr_t)s; }
+  }
+  int counts[2] = {1, n};
+  double per[2];
+  for (int c = 0; c < 2; c++) {
+    double r[5];
+    once(counts[c], streams); /* warm: every shard grown */
+    for (int k = 0; k < 5; k++) r[k] = once(counts[c], streams);
+    qsort(r, 5, sizeof r[0], cmp);
+    per[c] = r[2];
+  }
+  printf("{\"backend\": \"%s\", \"size\": %zu, \"threads\": %d, \"ns_per_pair_1t\": %.1f, "
+         "\"ns_per_pair_per_thread\": %.1f, \"aggregate_ns\": %.1f, \"speedup\": %.2f}\n",
+         backend, size, n, per[0], per[1], per[1] / n, per[0] * n / per[1]);
+  return 0;
+}
