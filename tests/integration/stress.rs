@@ -86,3 +86,76 @@ fn threads_on_shared_and_distinct_streams_vmm() {
 fn threads_on_shared_and_distinct_streams_classic() {
     stress(GrowthMode::Classic);
 }
+
+/// A trace sink attached and detached from one thread while others allocate: no deadlock and no
+/// lost invariant, and every entry a sink receives is whole (a worker's stream, its sizes).
+#[test]
+fn trace_sink_toggled_while_threads_allocate() {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use slotpool::core::{TraceAction, TraceEntry, TraceSink};
+
+    let (dev, alloc) = setup(GrowthMode::Vmm, 1 << 30);
+    let alloc = Arc::new(alloc);
+    let seen: Arc<Mutex<Vec<TraceEntry>>> = Arc::new(Mutex::new(Vec::new()));
+    let (started, stop) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let sink = |seen: &Arc<Mutex<Vec<TraceEntry>>>| -> TraceSink {
+        let seen = seen.clone();
+        Arc::new(move |e: &TraceEntry| seen.lock().unwrap().push(*e))
+    };
+    let workers: Vec<_> = (0..3u64)
+        .map(|t| {
+            let (alloc, started) = (alloc.clone(), started.clone());
+            thread::spawn(move || {
+                while !started.load(Ordering::Acquire) {
+                    thread::yield_now();
+                }
+                for i in 0..4000u64 {
+                    let size = 512 * (1 + (i * 7 + t) % 300);
+                    let p = alloc.alloc(size, 20 + t).expect("alloc");
+                    alloc.free(p).expect("free");
+                }
+            })
+        })
+        .collect();
+    let toggler = {
+        let (alloc, seen, started, stop) =
+            (alloc.clone(), seen.clone(), started.clone(), stop.clone());
+        thread::spawn(move || {
+            // On until the first entry arrives, then on and off as fast as it goes.
+            alloc.set_trace_sink(Some(sink(&seen)));
+            started.store(true, Ordering::Release);
+            while seen.lock().unwrap().is_empty() {
+                thread::yield_now();
+            }
+            let mut on = true;
+            while !stop.load(Ordering::Relaxed) {
+                on = !on;
+                alloc.set_trace_sink(on.then(|| sink(&seen)));
+                thread::yield_now();
+            }
+            alloc.set_trace_sink(None);
+        })
+    };
+    for w in workers {
+        w.join().expect("worker");
+    }
+    stop.store(true, Ordering::Relaxed);
+    toggler.join().expect("toggler");
+    check_all(&dev, &alloc, &[]);
+    let seen = seen.lock().unwrap();
+    assert!(!seen.is_empty(), "the sink saw nothing");
+    for e in seen.iter() {
+        assert!((20..23).contains(&e.stream), "{e:?}: not a worker's stream");
+        if e.action == TraceAction::Alloc {
+            assert!(
+                e.size % 512 == 0 && (512..=300 * 512).contains(&e.size),
+                "{e:?}: not a size a worker asked for"
+            );
+        }
+    }
+}
