@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <iterator>
 #include <sstream>
 #include <string_view>
@@ -245,6 +246,19 @@ std::string torch_conf_from_env() {
   return "";
 }
 
+namespace {
+// Configuration strings after one another, comma-separated, empty ones left out.
+std::string join_conf(std::initializer_list<std::string> parts) {
+  std::string out;
+  for (const std::string& p : parts) {
+    if (!p.empty()) {
+      out += (out.empty() ? "" : ",") + p;
+    }
+  }
+  return out;
+}
+}  // namespace
+
 std::string torch_conf_for_slotpool(const std::string& torch_conf,
                                     std::vector<std::string>* skipped) {
   static const char* const kSame[] = {"max_split_size_mb",        "max_non_split_rounding_mb",
@@ -266,7 +280,7 @@ std::string torch_conf_for_slotpool(const std::string& torch_conf,
     key.erase(key.find_last_not_of(" \t") + 1);
     if (std::find(std::begin(kSame), std::end(kSame), key) != std::end(kSame) &&
         colon != std::string::npos) {
-      out += (out.empty() ? "" : ",") + item;
+      out = join_conf({out, item});
     } else if (skipped != nullptr) {
       skipped->push_back(key);
     }
@@ -305,14 +319,9 @@ void SlotpoolAllocator::ensure_initialized() {
     // its `conf` over $SLOTPOOL_CONF, so the variable is repeated after PyTorch's keys.
     std::vector<std::string> skipped;
     std::string from_torch = torch_conf_for_slotpool(torch_conf_from_env(), &skipped);
-    const char* env_conf = std::getenv("SLOTPOOL_CONF");
-    std::string full = from_torch;
-    for (const std::string& part : {std::string(env_conf != nullptr ? env_conf : ""),
-                                    conf_.value_or("")}) {
-      if (!part.empty()) {
-        full += (full.empty() ? "" : ",") + part;
-      }
-    }
+    const char* env = std::getenv("SLOTPOOL_CONF");
+    std::string env_conf = env != nullptr ? env : "";
+    std::string full = join_conf({from_torch, env_conf, conf_.value_or("")});
     const char* backend = backend_ ? backend_->c_str() : nullptr;
     sp_status st = sp_init(backend, full.c_str());
     if (st == SP_ERR_CONFIG && !from_torch.empty()) {
@@ -322,10 +331,7 @@ void SlotpoolAllocator::ensure_initialized() {
       if (st == SP_OK) {
         TORCH_WARN("slotpool: PyTorch's allocator settings (", from_torch,
                    ") were not applied: ", why);
-        full = env_conf != nullptr ? env_conf : "";
-        if (conf_ && !conf_->empty()) {
-          full += (full.empty() ? "" : ",") + *conf_;
-        }
+        full = join_conf({env_conf, conf_.value_or("")});
       }
     }
     if (st != SP_OK && st != SP_ERR_INVALID_STATE) {  // INVALID_STATE: initialised meanwhile

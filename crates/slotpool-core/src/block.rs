@@ -83,6 +83,12 @@ impl Block {
         self.next.get()
     }
 
+    /// Whether the block shares its segment with others (PyTorch's `is_split`).
+    #[inline]
+    pub fn is_split(&self) -> bool {
+        self.prev().is_some() || self.next().is_some()
+    }
+
     #[inline]
     pub fn set_prev(&mut self, id: Option<BlockId>) {
         self.prev = Link::new(id);

@@ -286,7 +286,7 @@ impl Shard {
 
     pub(crate) fn is_inactive_split(&self, id: BlockId) -> bool {
         let b = &self.blocks[id];
-        !self.segments[b.segment].is_vmm() && (b.prev().is_some() || b.next().is_some())
+        !self.segments[b.segment].is_vmm() && b.is_split()
     }
 
     pub(crate) fn index_insert(&mut self, id: BlockId) {
@@ -793,12 +793,7 @@ impl Shard {
         let (addr, size, requested, split) = {
             let b = &mut self.blocks[id];
             b.state = BlockState::Cached;
-            let r = (
-                b.addr,
-                b.size,
-                b.requested,
-                b.prev().is_some() || b.next().is_some(),
-            );
+            let r = (b.addr, b.size, b.requested, b.is_split());
             b.requested = 0;
             r
         };
@@ -824,12 +819,7 @@ impl Shard {
             debug_assert_eq!(b.state, BlockState::Cached);
             b.state = BlockState::Allocated;
             b.requested = requested;
-            (
-                b.addr,
-                b.size,
-                b.segment,
-                b.prev().is_some() || b.next().is_some(),
-            )
+            (b.addr, b.size, b.segment, b.is_split())
         };
         let (small, vmm) = {
             let s = &self.segments[seg];
@@ -1579,7 +1569,7 @@ impl Shard {
                 // block but a free one keeps its vmm pages live.
                 if matches!(b.state, BlockState::Free | BlockState::Cached)
                     && !seg.is_vmm()
-                    && (b.prev().is_some() || b.next().is_some())
+                    && b.is_split()
                 {
                     recount.inactive_split.inc(small, 1);
                     recount.inactive_split_bytes.inc(small, b.size as i64);
