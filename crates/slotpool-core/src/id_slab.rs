@@ -29,6 +29,15 @@ impl<T> Default for IdSlab<T> {
 }
 
 impl<T> IdSlab<T> {
+    /// A slab with room for `n` entries and `n` vacant ids before it reallocates.
+    pub fn with_capacity(n: usize) -> Self {
+        IdSlab {
+            slots: Vec::with_capacity(n),
+            vacant: Vec::with_capacity(n),
+            ..Self::default()
+        }
+    }
+
     pub fn new() -> Self {
         Self::default()
     }

@@ -153,12 +153,17 @@ impl Shard {
             },
             ..Default::default()
         };
+        // The containers that every pair writes start with room to spare: a shard is often made
+        // by one thread for another (a warm-up pair per stream), and small first allocations of
+        // several shards made in a row share cache lines, which the shards' threads then fight
+        // over (on the H200, 16 threads of 64 MiB pairs cost 1.5x more each; docs/benchmarks.md,
+        // ninth session).
         Shard {
             pool,
             stream,
             no_split,
-            blocks: IdSlab::new(),
-            segments: IdSlab::new(),
+            blocks: IdSlab::with_capacity(32),
+            segments: IdSlab::with_capacity(8),
             free_small: BTreeSet::new(),
             free_large: BTreeSet::new(),
             pending: VecDeque::new(),
@@ -168,11 +173,11 @@ impl Shard {
             epoch_events: VecDeque::new(),
             journal: Journal::default(),
             marks: Vec::new(),
-            live: FxHashMap::default(),
+            live: FxHashMap::with_capacity_and_hasher(32, Default::default()),
             seg_log: Vec::new(),
             peak_credit: 0,
             lease,
-            quick: Vec::new(),
+            quick: Vec::with_capacity(QUICK_MAX),
             quick_off: false,
             quick_credit: QUICK_CREDIT_MAX,
             free_searches: 0,
