@@ -1,7 +1,8 @@
 /* Host cost of sp_alloc + sp_free on 1..N threads through the shared library, each thread on its
  * own stream, outside any PyTorch process: alloc_bench's "same" pattern in a plain C program, to
- * tell what a backend adds across threads (on the H200, 64 MiB pairs through CUDA cost a thread
- * 1.7x more at 4 threads, the simulated device 1.16x; docs/benchmarks.md, eighth session).
+ * tell what a backend adds across threads. It found (docs/benchmarks.md, ninth session) that
+ * the large-pair slowdown across threads came from shards made in a row by one thread sharing
+ * cache lines, not from the backend.
  *
  *   cargo build --release -p slotpool-capi
  *   gcc -O2 -pthread -o /tmp/threads_dlopen benches/c/threads_dlopen.c -ldl
@@ -10,7 +11,10 @@
  * BACKEND is "sim" (default) or "cuda"; on CUDA each thread gets a non-blocking stream from
  * libcudart (dlopen'ed), on the sim stream ids 1..N. Prints, for 1 and for THREADS threads
  * (default 16), the median of 5 runs of PAIRS pairs a thread (default 200,000): ns per pair per
- * thread, and the aggregate ns per pair. */
+ * thread, and the aggregate ns per pair.
+ *
+ * FRESH=1: new streams for every run, each warmed by one pair on the main thread (alloc_bench.py's
+ * and the GPU suite's pattern); FRESH=2: the same, each worker warming its own. */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -107,8 +111,8 @@ int main(int argc, char** argv) {
     qsort(r, 5, sizeof r[0], cmp);
     per[c] = r[2];
   }
-  printf("{\"backend\": \"%s\", \"size\": %zu, \"threads\": %d, \"ns_per_pair_1t\": %.1f, "
+  printf("{\"backend\": \"%s\", \"size\": %zu, \"threads\": %d, \"fresh\": %d, \"ns_per_pair_1t\": %.1f, "
          "\"ns_per_pair_per_thread\": %.1f, \"aggregate_ns\": %.1f, \"speedup\": %.2f}\n",
-         backend, size, n, per[0], per[1], per[1] / n, per[0] * n / per[1]);
+         backend, size, n, fresh, per[0], per[1], per[1] / n, per[0] * n / per[1]);
   return 0;
 }

@@ -134,10 +134,14 @@ if has host_abi; then
     # threads, outside PyTorch's process (benches/c/threads_dlopen.c).
     if gcc -O2 -pthread -o "$BUILD/threads_dlopen" benches/c/threads_dlopen.c -ldl \
       >>"$OUT/host_abi_build.log" 2>&1; then
-      for b in sim cuda; do
-        for sz in 4096 67108864; do
-          timeout 120 "$BUILD/threads_dlopen" "$LIB/libslotpool.so" "$sz" "$b" 16 100000 \
-            >>"$OUT/host_abi.log" 2>&1
+      # FRESH=1: new streams each run, warmed by the main thread (alloc_bench.py's pattern:
+      # shards made in a row by one thread, the false-sharing case of the ninth session).
+      for fresh in 0 1; do
+        for b in sim cuda; do
+          for sz in 4096 67108864; do
+            FRESH=$fresh timeout 120 "$BUILD/threads_dlopen" "$LIB/libslotpool.so" "$sz" "$b" 16 100000 \
+              >>"$OUT/host_abi.log" 2>&1
+          done
         done
       done
     fi
