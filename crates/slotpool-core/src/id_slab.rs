@@ -46,6 +46,11 @@ impl<T> IdSlab<T> {
         self.len
     }
 
+    /// Entries the slab holds before it reallocates.
+    pub fn capacity(&self) -> usize {
+        self.slots.capacity()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
