@@ -278,3 +278,151 @@ fn a_free_on_another_threads_shard_finds_the_owner() {
     alloc.free(mine).unwrap();
     checked(&alloc);
 }
+
+/// `alloc_fast` / `free_fast` (the C ABI's hot path) serve exactly the quick-cache round trip of
+/// the calling thread's cached shard, and change nothing where they decline.
+#[test]
+fn the_fast_path_is_the_quick_hit_and_nothing_else() {
+    use slotpool::core::RouteFilter;
+    let pool = PoolId(0, 7);
+    let (_, alloc) = setup_with_pool(GrowthMode::Vmm, pool);
+    let unchanged = |alloc: &slotpool::core::Allocator<slotpool::sim::SimDevice>, before| {
+        assert_eq!(alloc.stats().to_flat_map(), before);
+        checked(alloc);
+    };
+    // Nothing cached yet: declined.
+    let before = alloc.stats().to_flat_map();
+    assert_eq!(alloc.alloc_fast(300 * KIB, 0), None);
+    unchanged(&alloc, before);
+    let a = alloc.alloc(300 * KIB, 0).unwrap();
+    assert!(alloc.free_fast(a), "the thread's shard frees its own block");
+    assert!(!alloc.free_fast(a), "a double free is declined");
+    checked(&alloc);
+    // Another stream, a large size, another rounded size: declined, nothing changed.
+    let before = alloc.stats().to_flat_map();
+    assert_eq!(alloc.alloc_fast(300 * KIB, 1), None);
+    assert_eq!(alloc.alloc_fast(64 * MIB, 0), None);
+    assert_eq!(alloc.alloc_fast(200 * KIB, 0), None);
+    unchanged(&alloc, before);
+    // Over the limit: refused as `alloc` refuses it, though the cache holds the block.
+    alloc.set_memory_limit(256 * KIB);
+    let before = alloc.stats().to_flat_map();
+    assert_eq!(alloc.alloc_fast(300 * KIB, 0), None);
+    unchanged(&alloc, before);
+    assert!(alloc.alloc(300 * KIB, 0).is_err());
+    alloc.set_memory_limit(u64::MAX);
+    // A route is active: the slow path decides the pool.
+    alloc
+        .begin_allocate_to_pool(pool, RouteFilter::All)
+        .unwrap();
+    let before = alloc.stats().to_flat_map();
+    assert_eq!(alloc.alloc_fast(300 * KIB, 0), None);
+    unchanged(&alloc, before);
+    let routed = alloc.alloc(300 * KIB, 0).unwrap();
+    assert_ne!(routed, a, "routed to the pool");
+    alloc.end_allocate_to_pool(pool).unwrap();
+    // The thread's cached shard is now the pool's: declined until `alloc` caches the default
+    // pool's shard again.
+    let before = alloc.stats().to_flat_map();
+    assert_eq!(alloc.alloc_fast(300 * KIB, 0), None);
+    unchanged(&alloc, before);
+    let b = alloc.alloc(300 * KIB, 0).unwrap();
+    assert_eq!(b, a, "the cached block, through the slow path");
+    assert!(alloc.free_fast(b));
+    // The hit: the same block back, counted as `alloc` counts it.
+    assert_eq!(alloc.alloc_fast(300 * KIB - 100, 0), Some(a));
+    checked(&alloc);
+    let st = alloc.stats();
+    assert_eq!(
+        st.requested_bytes.all().current as u64,
+        2 * 300 * KIB - 100,
+        "the routed block and the hit"
+    );
+    // A pointer of another shard is declined here and freed by `free`.
+    assert!(!alloc.free_fast(routed));
+    alloc.free(routed).unwrap();
+    assert!(alloc.free_fast(a));
+    checked(&alloc);
+    assert_eq!(alloc.stats().allocated_bytes.all().current, 0);
+}
+
+mod fast_path_model {
+    use proptest::prelude::*;
+    use slotpool::core::{Allocator, GrowthMode};
+    use slotpool::sim::SimDevice;
+
+    use crate::common::{MIB, setup};
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Alloc { size: u64, stream: u64 },
+        Free(usize),
+        Limit(Option<u64>),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (prop::sample::select(vec![512u64, 4096, 300 << 10, 1 << 20, 3 << 20, 40 << 20]),
+                  0..3u64).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+            5 => (0..64usize).prop_map(Op::Free),
+            1 => prop::option::of(prop::sample::select(vec![8 * MIB, 64 * MIB]))
+                .prop_map(Op::Limit),
+        ]
+    }
+
+    /// What one run saw: every call's answer and the statistics after it.
+    type Seen = Vec<(Option<u64>, std::collections::BTreeMap<String, i64>)>;
+
+    /// Run `ops` on a fresh allocator on a thread of its own (the thread-local shard cache is
+    /// per thread), through the fast path first (`fast`) or through `alloc` / `free` alone.
+    fn run(growth: GrowthMode, ops: &[Op], fast: bool) -> Seen {
+        let ops = ops.to_vec();
+        std::thread::spawn(move || {
+            let (_, a): (_, Allocator<SimDevice>) = setup(growth, 1 << 30);
+            let mut live: Vec<u64> = Vec::new();
+            let mut seen = Seen::new();
+            for op in &ops {
+                let answer = match *op {
+                    Op::Alloc { size, stream } => {
+                        let p = if fast {
+                            a.alloc_fast(size, stream)
+                                .map_or_else(|| a.alloc(size, stream), Ok)
+                        } else {
+                            a.alloc(size, stream)
+                        };
+                        p.ok().inspect(|&p| live.push(p))
+                    }
+                    Op::Free(i) if !live.is_empty() => {
+                        let p = live.swap_remove(i % live.len());
+                        if !(fast && a.free_fast(p)) {
+                            a.free(p).expect("a live pointer frees");
+                        }
+                        Some(p)
+                    }
+                    Op::Free(_) => None,
+                    Op::Limit(l) => {
+                        a.set_memory_limit(l.unwrap_or(u64::MAX));
+                        None
+                    }
+                };
+                a.check_invariants().expect("invariants");
+                seen.push((answer, a.stats().to_flat_map()));
+            }
+            seen
+        })
+        .join()
+        .expect("the run panicked")
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: crate::common::cases(32), ..ProptestConfig::default() })]
+
+        /// The fast path changes no address, no answer and no statistic.
+        #[test]
+        fn the_fast_path_matches_alloc_and_free(ops in prop::collection::vec(op(), 1..100)) {
+            for growth in [GrowthMode::Vmm, GrowthMode::Classic] {
+                prop_assert_eq!(run(growth, &ops, true), run(growth, &ops, false));
+            }
+        }
+    }
+}

@@ -288,6 +288,12 @@ pub unsafe extern "C" fn sp_alloc(
         // SAFETY: non-null and valid for writes by the caller's contract.
         unsafe { put(out, ptr::null_mut()) };
         let d = runtime()?.device(device)?;
+        // The quick cache's hit first: its answer travels in registers.
+        if let Some(p) = each!(d, a => a.alloc_fast(size_arg(size), stream)) {
+            // SAFETY: as above.
+            unsafe { put(out, p as *mut c_void) };
+            return Ok(());
+        }
         let p = each!(d, a => a.alloc(size_arg(size), stream))?;
         // SAFETY: as above.
         unsafe { put(out, p as *mut c_void) };
@@ -308,7 +314,10 @@ pub extern "C" fn sp_free(ptr: *mut c_void) -> sp_status {
             return Err(Error::null("ptr"));
         }
         let p = ptr as u64;
-        runtime()?.on_owner(p, |d| each!(d, a => a.free(p)))?;
+        let rt = runtime()?;
+        if !rt.free_fast(p) {
+            rt.on_owner(p, |d| each!(d, a => a.free(p)))?;
+        }
         Ok(())
     })
 }

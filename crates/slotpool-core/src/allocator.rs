@@ -234,6 +234,40 @@ impl<D: Device> Allocator<D> {
         self.alloc_in(pool, size, stream)
     }
 
+    /// [`Allocator::alloc`] where it is a hit in the quick cache of the calling thread's cached
+    /// shard, in the default pool with no route active; `None`, with nothing changed, where it
+    /// would take any other path (call [`Allocator::alloc`] then). For the C ABI's hot path: the
+    /// answer travels in registers, where an `AllocResult` goes through memory at every layer.
+    #[inline]
+    pub fn alloc_fast(&self, size: u64, stream: StreamId) -> Option<DevicePtr> {
+        if size == 0 || size > MAX_REQUEST || self.routes_active.load(Ordering::Acquire) != 0 {
+            return None;
+        }
+        let rounded = self.config.policy.round_size(size);
+        // The quick cache holds small blocks only. As `alloc_in`, a request over the limit is
+        // refused even where the cache could serve it.
+        if !crate::policy::is_small(rounded) || rounded > self.shared.budget.limit() {
+            return None;
+        }
+        let generation = self.generation.load(Ordering::Acquire);
+        LAST_SHARD
+            .try_with(|c| {
+                let c = c.borrow();
+                let e = c.as_ref()?;
+                if e.allocator != self.uid
+                    || e.generation != generation
+                    || e.pool != PoolId::DEFAULT
+                    || e.stream != stream
+                {
+                    return None;
+                }
+                let env = self.env(&e.shard.pool_budget);
+                lock(&e.shard.shard).alloc_quick(&env, rounded, size)
+            })
+            .ok()
+            .flatten()
+    }
+
     /// Allocate from a given pool, bypassing routes.
     pub fn alloc_in(&self, pool: PoolId, size: u64, stream: StreamId) -> AllocResult<DevicePtr> {
         if size == 0 || size > MAX_REQUEST {
@@ -458,6 +492,23 @@ impl<D: Device> Allocator<D> {
         self.with_registered_owner(ptr, |cell, s| s.free(&self.env(&cell.pool_budget), ptr))
             .ok_or(AllocError::UnknownPointer(ptr))?
             .map_err(shard_error)
+    }
+
+    /// [`Allocator::free`] where the calling thread's cached shard holds `ptr`: `false`, with
+    /// nothing changed, otherwise (call [`Allocator::free`] then, which also reports errors).
+    #[inline]
+    pub fn free_fast(&self, ptr: DevicePtr) -> bool {
+        LAST_SHARD
+            .try_with(|c| {
+                let c = c.borrow();
+                let Some(e) = c.as_ref().filter(|e| e.allocator == self.uid) else {
+                    return false;
+                };
+                let env = self.env(&e.shard.pool_budget);
+                // A shard's free changes nothing when it fails.
+                lock(&e.shard.shard).free(&env, ptr).is_ok()
+            })
+            .unwrap_or(false)
     }
 
     /// Mark the allocation at `ptr` **graph-retained but reusable**: a captured graph still

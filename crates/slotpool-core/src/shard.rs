@@ -353,6 +353,22 @@ impl Shard {
         self.alloc_uncached(env, rounded, requested)
     }
 
+    /// [`Shard::alloc`]'s quick-cache hit alone: `None`, with nothing changed, where it would
+    /// take any other path.
+    #[inline(always)]
+    pub fn alloc_quick(
+        &mut self,
+        env: &Env<'_>,
+        rounded: u64,
+        requested: u64,
+    ) -> Option<DevicePtr> {
+        if env.capture_underway || !self.pending.is_empty() || !self.deferred.is_empty() {
+            return None;
+        }
+        self.quick_hit(env, rounded, requested)
+            .map(|(_, addr)| addr)
+    }
+
     /// Hand out the cached block of exactly `rounded` bytes, if the quick cache has one.
     #[inline]
     fn quick_hit(
