@@ -163,6 +163,19 @@ impl<T> IdSlab<T> {
         self.slots.get_mut(id)?.as_mut()
     }
 
+    /// `self[id]`, inlined: for the quick cache's round trip only (inlining `Index` everywhere
+    /// made the large-block paths longer).
+    #[inline(always)]
+    pub(crate) fn hot(&self, id: usize) -> &T {
+        self.slots[id].as_ref().expect("vacant slot")
+    }
+
+    /// `&mut self[id]`, inlined: see [`IdSlab::hot`].
+    #[inline(always)]
+    pub(crate) fn hot_mut(&mut self, id: usize) -> &mut T {
+        self.slots[id].as_mut().expect("vacant slot")
+    }
+
     pub fn contains(&self, id: usize) -> bool {
         self.get(id).is_some()
     }

@@ -606,7 +606,7 @@ impl Shard {
     pub fn free(&mut self, env: &Env<'_>, ptr: DevicePtr) -> Result<(), ShardError> {
         // One look at the block and one at its segment: this is half of every pair.
         let id = *self.live.get(&ptr).ok_or(ShardError::UnknownPointer)?;
-        let b = &self.blocks[id];
+        let b = self.blocks.hot(id);
         if b.state != BlockState::Allocated {
             return Err(ShardError::UnknownPointer);
         }
@@ -812,7 +812,7 @@ impl Shard {
     #[inline(always)]
     fn cache_block(&mut self, env: &Env<'_>, id: BlockId, small: bool, vmm: bool) {
         let (addr, size, requested, split) = {
-            let b = &mut self.blocks[id];
+            let b = self.blocks.hot_mut(id);
             b.state = BlockState::Cached;
             let r = (b.addr, b.size, b.requested, b.is_split());
             b.requested = 0;
@@ -836,7 +836,7 @@ impl Shard {
     #[inline(always)]
     fn take_cached(&mut self, env: &Env<'_>, id: BlockId, requested: u64) -> (BlockId, DevicePtr) {
         let (addr, size, seg, split) = {
-            let b = &mut self.blocks[id];
+            let b = self.blocks.hot_mut(id);
             debug_assert_eq!(b.state, BlockState::Cached);
             b.state = BlockState::Allocated;
             b.requested = requested;
