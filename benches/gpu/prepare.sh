@@ -15,5 +15,10 @@ cp "$t" .gpu/slotpool_cuda_gpu_tests
 cargo bench --bench alloc --no-run 2>/dev/null
 b=$(ls -t target/release/deps/alloc-* | grep -v '\.d$' | head -1)
 cp "$b" .gpu/alloc_bench_sim
+# The checkpoint / restore bench too (step host_restore): PyTorch's figures for it were measured
+# on the H200 host, so the 100x comparison belongs on that host.
+cargo bench --bench checkpoint --no-run 2>/dev/null
+c=$(ls -t target/release/deps/checkpoint-* | grep -v '\.d$' | head -1)
+cp "$c" .gpu/checkpoint_bench_sim
 strip .gpu/* 2>/dev/null || true
 du -sh .gpu

@@ -7,7 +7,8 @@
 #
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch_host torch
 # On demand: record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
-# (growth cost per chunk size), host_sim (the criterion host-cost bench on this host), host_abi
+# (growth cost per chunk size), host_sim (the criterion host-cost bench on this host), host_restore
+# (the criterion checkpoint / restore bench on this host), host_abi
 # (sp_alloc + sp_free through the .so, simulated device and CUDA, one thread and 16), cpu_probe (the same, pinned to
 # each CPU in turn)
 # Env: TORCH_SCENARIOS, TORCH_TIMEOUT, CHILD_TIMEOUT, CHILD_CPUS (pin torch children, "2-9"),
@@ -116,6 +117,13 @@ if has host_sim && [ -x "$LIB/alloc_bench_sim" ]; then
   # speed from what the CUDA backend adds to a pair (compare with alloc_bench's slotpool rows).
   run host_sim 300 "$LIB/alloc_bench_sim" --bench --noplot --warm-up-time 1 --measurement-time 3 \
     'pair/vmm/(4KiB|1MiB)$|pair/classic/1MiB$|^threads/1$'
+fi
+
+if has host_restore && [ -x "$LIB/checkpoint_bench_sim" ]; then
+  # Checkpoint / restore against block count on this host, where PyTorch's own figures were
+  # measured (../shared/traces/README.md: restore 32,104 us at 10,000 live blocks).
+  run host_restore 300 "$LIB/checkpoint_bench_sim" --bench --noplot --warm-up-time 1 \
+    --measurement-time 3
 fi
 
 if has host_abi; then
