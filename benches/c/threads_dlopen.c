@@ -13,6 +13,9 @@
  * (default 16), the median of 5 runs of PAIRS pairs a thread (default 200,000): ns per pair per
  * thread, and the aggregate ns per pair.
  *
+ * A third measurement runs one thread again beside THREADS-1 spinner threads that share no memory:
+ * the single-thread cost on a busy host, against which the THREADS-thread cost is compared too.
+ *
  * FRESH=1: new streams for every run, each warmed by one pair on the main thread (alloc_bench.py's
  * and the GPU suite's pattern); FRESH=2: the same, each worker warming its own. */
 #include <dlfcn.h>
@@ -48,6 +51,13 @@ static void* run(void* arg) {
     f(p);
   }
   return 0;
+}
+/* A spinner: integer work on its own registers, no memory shared with anyone, until `stop`. */
+static volatile int stop;
+static void* spin(void* arg) {
+  uint64_t x = (uint64_t)(uintptr_t)arg;
+  while (!stop) for (int i = 0; i < 1000; i++) x = x * 6364136223846793005ull + 1442695040888963407ull;
+  return (void*)(uintptr_t)x;
 }
 static int cmp(const void* x, const void* y) { double d = *(const double*)x - *(const double*)y; return (d > 0) - (d < 0); }
 /* Wall ns per pair per thread, with n threads at once. */
@@ -93,10 +103,17 @@ int main(int argc, char** argv) {
    * runs). */
   int fresh = getenv("FRESH") ? atoi(getenv("FRESH")) : 0;
   self_warm = fresh == 2;
-  int counts[2] = {1, n};
-  double per[2];
-  for (int c = 0; c < 2; c++) {
+  /* Third measurement: one thread again, while THREADS-1 spinners keep the other cores busy
+   * (a host that boosts a lone busy core runs the single thread of the first measurement
+   * faster than any thread of a busy host; docs/benchmarks.md, ninth session). */
+  int counts[3] = {1, n, 1};
+  double per[3];
+  for (int c = 0; c < 3; c++) {
     double r[5];
+    pthread_t spinners[256];
+    int nspin = c == 2 ? n - 1 : 0;
+    stop = 0;
+    for (int i = 0; i < nspin; i++) pthread_create(&spinners[i], 0, spin, (void*)(uintptr_t)(i + 1));
     once(counts[c], streams); /* warm: every shard grown */
     for (int k = 0; k < 5; k++) {
       if (fresh) {
@@ -108,11 +125,15 @@ int main(int argc, char** argv) {
       }
       r[k] = once(counts[c], streams);
     }
+    stop = 1;
+    for (int i = 0; i < nspin; i++) pthread_join(spinners[i], 0);
     qsort(r, 5, sizeof r[0], cmp);
     per[c] = r[2];
   }
   printf("{\"backend\": \"%s\", \"size\": %zu, \"threads\": %d, \"fresh\": %d, \"ns_per_pair_1t\": %.1f, "
-         "\"ns_per_pair_per_thread\": %.1f, \"aggregate_ns\": %.1f, \"speedup\": %.2f}\n",
-         backend, size, n, fresh, per[0], per[1], per[1] / n, per[0] * n / per[1]);
+         "\"ns_per_pair_per_thread\": %.1f, \"aggregate_ns\": %.1f, \"speedup\": %.2f, "
+         "\"ns_per_pair_1t_beside_spinners\": %.1f, \"speedup_vs_1t_beside_spinners\": %.2f}\n",
+         backend, size, n, fresh, per[0], per[1], per[1] / n, per[0] * n / per[1], per[2],
+         per[2] * n / per[1]);
   return 0;
 }
