@@ -127,3 +127,50 @@ fn smoke_c_against_the_static_library() {
     let out = run_program(&exe, Path::new("/nonexistent"));
     assert!(out.contains("checks passed"), "{out}");
 }
+
+/// The host-cost harnesses of `benches/c/` (run on the H200 by `benches/gpu/run.sh host_abi`)
+/// build warning-free and run to their JSON line on the sim backend, with counts small enough
+/// for a debug build: a harness broken here would cost a device call to find out.
+#[test]
+fn bench_harnesses_build_and_run_on_the_sim() {
+    if !have_tool("cc") {
+        return;
+    }
+    let lib = lib_dir().join("libslotpool.so");
+    assert!(lib.exists(), "libslotpool.so not built");
+    let build = |name: &str| {
+        let exe = out_dir().join(name);
+        run_ok(
+            Command::new("cc")
+                .args(["-O2", "-Wall", "-Wextra", "-Werror", "-pthread", "-o"])
+                .arg(&exe)
+                .arg(repo_root().join(format!("benches/c/{name}.c")))
+                .args(["-ldl", "-lm"]),
+            &format!("cc {name}.c"),
+        );
+        exe
+    };
+    // pair_dlopen's rounds are fixed (15 x 10^6 pairs): built, not run here.
+    build("pair_dlopen");
+    let mixed = build("mixed_dlopen");
+    let out = run_ok(
+        Command::new(&mixed).arg(&lib).args(["sim", "2000"]),
+        "mixed_dlopen",
+    );
+    assert!(out.contains("\"peak_reserved\":"), "{out}");
+    let threads = build("threads_dlopen");
+    for fresh in ["0", "1", "2"] {
+        let out = run_ok(
+            Command::new(&threads)
+                .arg(&lib)
+                .args(["4096", "sim", "2", "300"])
+                .env("FRESH", fresh),
+            "threads_dlopen",
+        );
+        assert!(
+            out.contains(&format!("\"fresh\": {fresh},"))
+                && out.contains("\"speedup_vs_1t_beside_spinners\":"),
+            "{out}"
+        );
+    }
+}
