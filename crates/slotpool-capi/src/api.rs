@@ -857,10 +857,7 @@ pub extern "C" fn sp_torch_malloc(size: isize, device: c_int, stream: *mut c_voi
         let size = usize::try_from(size)
             .map_err(|_| Error::InvalidArgument(format!("negative size {size}")))?;
         let d = runtime()?.device(device)?;
-        let p = match each!(d, a => a.alloc_fast(size_arg(size), stream as u64)) {
-            Some(p) => p,
-            None => each!(d, a => a.alloc(size_arg(size), stream as u64))?,
-        };
+        let p = each!(d, a => a.alloc(size_arg(size), stream as u64))?;
         out = p as *mut c_void;
         Ok(())
     });
