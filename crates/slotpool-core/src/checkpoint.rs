@@ -13,12 +13,12 @@
 //! live checkpoint stays restorable, in any order (CUDA graph trees switch paths back and forth).
 
 use std::cell::RefCell;
-use std::collections::BTreeSet;
 use std::sync::{Arc, Weak};
 
 use crate::block::{Block, BlockId, BlockState, SegmentId, SegmentKind, StreamUses};
 use crate::device::{DevicePtr, StreamId};
 use crate::env::Env;
+use crate::free_index::{FreeIndex, FreeKey};
 use crate::pool::PoolId;
 use crate::shard::{Shard, ShardError};
 
@@ -124,9 +124,6 @@ struct Scratch {
     keys: [Vec<FreeKey>; 2],
     key_tmp: Vec<FreeKey>,
 }
-
-/// A free-index key: (size, address, id).
-type FreeKey = (u64, DevicePtr, BlockId);
 
 /// Which blocks a pass has seen, and a value for each, indexed by block id: a generation count
 /// makes starting a pass O(1).
@@ -1212,7 +1209,7 @@ impl Shard {
         }
     }
 
-    fn free_index(&mut self, small: bool) -> &mut BTreeSet<FreeKey> {
+    fn free_index(&mut self, small: bool) -> &mut FreeIndex {
         if small {
             &mut self.free_small
         } else {
@@ -1276,14 +1273,18 @@ impl Shard {
         sort_free_keys(keys, &mut sc.key_tmp);
         if taken == old.len() {
             // Nothing of the old index stays.
-            *self.free_index(small) = keys.drain(..).collect();
+            *self.free_index(small) = FreeIndex::from_sorted(keys);
+            keys.clear();
             return;
         }
         let seen = &sc.seen;
         let mut kept = old
             .into_iter()
             .filter(|&(_, _, id)| seen.get(id) != Some(TAKEN_OUT));
-        let mut merged = Vec::with_capacity(keys.len() + 16);
+        // The merge goes into a kept buffer: a fresh one of this size page-faults on every
+        // restore.
+        let merged = &mut sc.key_tmp;
+        merged.clear();
         let mut next = kept.next();
         for &k in keys.iter() {
             while let Some(o) = next.filter(|&o| o < k) {
@@ -1294,7 +1295,9 @@ impl Shard {
         }
         merged.extend(next);
         merged.extend(kept);
-        *self.free_index(small) = merged.into_iter().collect();
+        let index = FreeIndex::from_sorted(merged);
+        merged.clear();
+        *self.free_index(small) = index;
     }
 }
 

@@ -27,6 +27,7 @@ pub mod config;
 pub mod device;
 pub mod env;
 pub mod error;
+mod free_index;
 pub mod history;
 pub mod id_slab;
 pub mod peak;

@@ -1,7 +1,7 @@
 //! `Shard`: every segment and block of one (pool, stream) pair, as a plain `&mut self` state
 //! machine. The lock is one layer up, in [`crate::Allocator`]; nothing here is shared.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
@@ -15,15 +15,12 @@ use crate::checkpoint::{Journal, Mark, Undo};
 use crate::config::GrowthMode;
 use crate::device::{DeviceError, DevicePtr, EventHandle, PageHandle, StreamId};
 use crate::env::Env;
+use crate::free_index::{FreeIndex, FreeKey};
 use crate::history::TraceAction;
 use crate::peak::{CREDIT_MAX, Lease};
 use crate::policy::{self, SizePolicy};
 use crate::pool::PoolId;
 use crate::stats::MemoryStats;
-
-/// Key of the free index: best fit is the first entry at or above `(size, 0, 0)`, lowest address
-/// on ties, as PyTorch's `std::set` ordered by (stream, size, ptr).
-type FreeKey = (u64, DevicePtr, BlockId);
 
 /// Why a shard operation failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,8 +84,8 @@ pub struct Shard {
     pub no_split: bool,
     pub(crate) blocks: IdSlab<Block>,
     pub(crate) segments: IdSlab<Segment>,
-    pub(crate) free_small: BTreeSet<FreeKey>,
-    pub(crate) free_large: BTreeSet<FreeKey>,
+    pub(crate) free_small: FreeIndex,
+    pub(crate) free_large: FreeIndex,
     /// Cross-stream events that `PendingFree` blocks wait on, oldest first.
     pub(crate) pending: VecDeque<(EventHandle, BlockId)>,
     /// `PendingFree` blocks freed during a capture: their events are recorded after it ends.
@@ -164,8 +161,8 @@ impl Shard {
             no_split,
             blocks: IdSlab::with_capacity(32),
             segments: IdSlab::with_capacity(8),
-            free_small: BTreeSet::new(),
-            free_large: BTreeSet::new(),
+            free_small: FreeIndex::default(),
+            free_large: FreeIndex::default(),
             pending: VecDeque::new(),
             deferred: Vec::new(),
             epoch: 1,
@@ -281,7 +278,7 @@ impl Shard {
         }
     }
 
-    fn index(&mut self, small: bool) -> &mut BTreeSet<FreeKey> {
+    fn index(&mut self, small: bool) -> &mut FreeIndex {
         if small {
             &mut self.free_small
         } else {
@@ -438,7 +435,7 @@ impl Shard {
         } else {
             &self.free_large
         };
-        let mut best: Option<FreeKey> = index.range((rounded, 0, 0)..).next().copied();
+        let mut best: Option<FreeKey> = index.first_at_least(rounded);
         if env.growth == GrowthMode::Vmm {
             // Best fit over the index and the segments' free tails, in the index's order.
             for (_, seg) in self.segments.iter() {
