@@ -114,6 +114,33 @@ impl FreeIndex {
         index
     }
 
+    /// Its own consistency (shard invariant 3 relies on it): every key sits in the bin of its
+    /// size, the bitmap marks exactly the non-empty bins, and `len` counts every key.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        let mut len = 0;
+        for (b, set) in self.bins.iter().enumerate() {
+            if let Some(k) = set.iter().find(|k| bin(k.0) != b) {
+                return Err(format!("3: free-index key {k:?} in bin {b}"));
+            }
+            if (self.nonempty >> b & 1 == 1) == set.is_empty() {
+                return Err(format!(
+                    "3: free-index bin {b}'s bit does not match its contents"
+                ));
+            }
+            len += set.len();
+        }
+        if self.bins.len() < 64 && self.nonempty >> self.bins.len() != 0 {
+            return Err("3: free-index bitmap names a bin that does not exist".into());
+        }
+        if len != self.len {
+            return Err(format!(
+                "3: free index counts {} keys, holds {len}",
+                self.len
+            ));
+        }
+        Ok(())
+    }
+
     /// The largest key.
     pub(crate) fn last(&self) -> Option<FreeKey> {
         if self.nonempty == 0 {
@@ -165,6 +192,7 @@ mod tests {
                     _ => prop_assert_eq!(index.contains(&key), model.contains(&key)),
                 }
                 prop_assert_eq!(index.len(), model.len());
+                prop_assert_eq!(index.check(), Ok(()));
                 for want in [1, 512, 600, 1024, 4097, 1 << 20, (1 << 20) + 1, 1 << 30, u64::MAX] {
                     prop_assert_eq!(
                         index.first_at_least(want),
@@ -177,6 +205,7 @@ mod tests {
             let sorted: Vec<FreeKey> = model.iter().copied().collect();
             let rebuilt = FreeIndex::from_sorted(&sorted);
             prop_assert_eq!(rebuilt.len(), model.len());
+            prop_assert_eq!(rebuilt.check(), Ok(()));
             prop_assert!(rebuilt.iter().copied().eq(model.iter().copied()));
             prop_assert!(index.into_iter().eq(model.into_iter()));
         }

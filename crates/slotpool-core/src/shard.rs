@@ -1702,6 +1702,8 @@ impl Shard {
                 "3: {tails} segments name a free tail, {tails_seen} free tails found"
             ));
         }
+        self.free_small.check()?;
+        self.free_large.check()?;
         if free_seen != self.free_small.len() + self.free_large.len() {
             return Err(format!(
                 "3: {free_seen} free blocks, {} indexed",
