@@ -316,7 +316,7 @@ pub extern "C" fn sp_free(ptr: *mut c_void) -> sp_status {
         let p = ptr as u64;
         let rt = runtime()?;
         if !rt.free_fast(p) {
-            rt.on_owner(p, |d| each!(d, a => a.free(p)))?;
+            rt.on_owner(p, |d| each!(d, a => a.free_registered(p)))?;
         }
         Ok(())
     })

@@ -64,6 +64,18 @@ struct CachedShard {
     shard: ShardRef,
 }
 
+impl CachedShard {
+    /// Whether this is the shard of (`pool`, `stream`) of allocator `allocator` at
+    /// `generation` (no shard was forgotten since it was cached).
+    #[inline(always)]
+    fn serves(&self, allocator: u64, generation: u64, pool: PoolId, stream: StreamId) -> bool {
+        self.allocator == allocator
+            && self.generation == generation
+            && self.pool == pool
+            && self.stream == stream
+    }
+}
+
 thread_local! {
     static LAST_SHARD: RefCell<Option<CachedShard>> = const { RefCell::new(None) };
 }
@@ -254,15 +266,13 @@ impl<D: Device> Allocator<D> {
             .try_with(|c| {
                 let c = c.borrow();
                 let e = c.as_ref()?;
-                if e.allocator != self.uid
-                    || e.generation != generation
-                    || e.pool != PoolId::DEFAULT
-                    || e.stream != stream
-                {
+                if !e.serves(self.uid, generation, PoolId::DEFAULT, stream) {
                     return None;
                 }
                 let env = self.env(&e.shard.pool_budget);
-                lock(&e.shard.shard).alloc_quick(&env, rounded, size)
+                lock(&e.shard.shard)
+                    .alloc_quick(&env, rounded, size)
+                    .map(|(_, addr)| addr)
             })
             .ok()
             .flatten()
@@ -294,10 +304,7 @@ impl<D: Device> Allocator<D> {
             .try_with(|c| {
                 let c = c.borrow();
                 let e = c.as_ref()?;
-                (e.allocator == self.uid
-                    && e.generation == generation
-                    && e.pool == pool
-                    && e.stream == stream)
+                e.serves(self.uid, generation, pool, stream)
                     .then(|| self.alloc_on(&e.shard, rounded, size))
             })
             .ok()
@@ -474,29 +481,24 @@ impl<D: Device> Allocator<D> {
     /// rejected and change nothing.
     pub fn free(&self, ptr: DevicePtr) -> AllocResult<()> {
         // The thread's cached shard first, asked once: its free looks the pointer up itself.
-        let fast = LAST_SHARD
-            .try_with(|c| {
-                let c = c.borrow();
-                let e = c.as_ref().filter(|e| e.allocator == self.uid)?;
-                let env = self.env(&e.shard.pool_budget);
-                match lock(&e.shard.shard).free(&env, ptr) {
-                    Err(ShardError::UnknownPointer) => None,
-                    r => Some(r),
-                }
-            })
-            .ok()
-            .flatten();
-        if let Some(r) = fast {
-            return r.map_err(shard_error);
+        if self.free_fast(ptr) {
+            return Ok(());
         }
+        self.free_registered(ptr)
+    }
+
+    /// [`Allocator::free`] past the calling thread's cached shard (which
+    /// [`Allocator::free_fast`] asked): the segment registry finds the owner.
+    pub fn free_registered(&self, ptr: DevicePtr) -> AllocResult<()> {
         self.with_registered_owner(ptr, |cell, s| s.free(&self.env(&cell.pool_budget), ptr))
             .ok_or(AllocError::UnknownPointer(ptr))?
             .map_err(shard_error)
     }
 
     /// [`Allocator::free`] where the calling thread's cached shard holds `ptr`: `false`, with
-    /// nothing changed, otherwise (call [`Allocator::free`] then, which also reports errors).
-    #[inline]
+    /// nothing changed, otherwise (call [`Allocator::free_registered`] then, which also reports
+    /// errors).
+    #[inline(always)]
     pub fn free_fast(&self, ptr: DevicePtr) -> bool {
         LAST_SHARD
             .try_with(|c| {
@@ -580,10 +582,7 @@ impl<D: Device> Allocator<D> {
         let cached = LAST_SHARD
             .try_with(|c| {
                 c.borrow().as_ref().and_then(|e| {
-                    (e.allocator == self.uid
-                        && e.generation == generation
-                        && e.pool == pool
-                        && e.stream == stream)
+                    e.serves(self.uid, generation, pool, stream)
                         .then(|| e.shard.clone())
                 })
             })

@@ -1180,7 +1180,7 @@ impl Shard {
                 self.journal.scratch.get_mut().seen.set(id, TAKEN_OUT);
             }
             None => {
-                let removed = self.free_index(small).remove(&(b.size, b.addr, id));
+                let removed = self.index_mut(small).remove(&(b.size, b.addr, id));
                 debug_assert!(removed, "free block missing from the index");
             }
         }
@@ -1204,16 +1204,8 @@ impl Shard {
                 r.keys[small as usize].push((b.size, b.addr, id));
             }
             None => {
-                self.free_index(small).insert((b.size, b.addr, id));
+                self.index_mut(small).insert((b.size, b.addr, id));
             }
-        }
-    }
-
-    fn free_index(&mut self, small: bool) -> &mut FreeIndex {
-        if small {
-            &mut self.free_small
-        } else {
-            &mut self.free_large
         }
     }
 
@@ -1268,12 +1260,12 @@ impl Shard {
 
     /// Rebuild a free index from its entries that were not taken out and the new `keys`.
     fn rebuild_index(&mut self, small: bool, keys: &mut Vec<FreeKey>, taken: usize) {
-        let old = std::mem::take(self.free_index(small));
+        let old = std::mem::take(self.index_mut(small));
         let sc = self.journal.scratch.get_mut();
         sort_free_keys(keys, &mut sc.key_tmp);
         if taken == old.len() {
             // Nothing of the old index stays.
-            *self.free_index(small) = FreeIndex::from_sorted(keys);
+            *self.index_mut(small) = FreeIndex::from_sorted(keys);
             keys.clear();
             return;
         }
@@ -1297,7 +1289,7 @@ impl Shard {
         merged.extend(kept);
         let index = FreeIndex::from_sorted(merged);
         merged.clear();
-        *self.free_index(small) = index;
+        *self.index_mut(small) = index;
     }
 }
 

@@ -278,7 +278,18 @@ impl Shard {
         }
     }
 
-    fn index(&mut self, small: bool) -> &mut FreeIndex {
+    /// The free index of the small or the large pool.
+    #[inline]
+    pub(crate) fn index(&self, small: bool) -> &FreeIndex {
+        if small {
+            &self.free_small
+        } else {
+            &self.free_large
+        }
+    }
+
+    #[inline]
+    pub(crate) fn index_mut(&mut self, small: bool) -> &mut FreeIndex {
         if small {
             &mut self.free_small
         } else {
@@ -306,7 +317,7 @@ impl Shard {
             self.segments[seg].free_tail = Some(id);
             return;
         }
-        self.index(small).insert((size, addr, id));
+        self.index_mut(small).insert((size, addr, id));
     }
 
     pub(crate) fn index_remove(&mut self, id: BlockId) {
@@ -323,7 +334,7 @@ impl Shard {
             self.segments[seg].free_tail = None;
             return;
         }
-        let removed = self.index(small).remove(&(size, addr, id));
+        let removed = self.index_mut(small).remove(&(size, addr, id));
         debug_assert!(removed, "free block missing from the index");
     }
 
@@ -340,11 +351,7 @@ impl Shard {
         requested: u64,
     ) -> Result<(BlockId, DevicePtr), ShardError> {
         // The quick cache's hit, inlined into the caller: the hot path returns in registers.
-        if !env.capture_underway
-            && self.pending.is_empty()
-            && self.deferred.is_empty()
-            && let Some(hit) = self.quick_hit(env, rounded, requested)
-        {
+        if let Some(hit) = self.alloc_quick(env, rounded, requested) {
             return Ok(hit);
         }
         self.alloc_uncached(env, rounded, requested)
@@ -358,12 +365,11 @@ impl Shard {
         env: &Env<'_>,
         rounded: u64,
         requested: u64,
-    ) -> Option<DevicePtr> {
+    ) -> Option<(BlockId, DevicePtr)> {
         if env.capture_underway || !self.pending.is_empty() || !self.deferred.is_empty() {
             return None;
         }
         self.quick_hit(env, rounded, requested)
-            .map(|(_, addr)| addr)
     }
 
     /// Hand out the cached block of exactly `rounded` bytes, if the quick cache has one.
@@ -430,12 +436,7 @@ impl Shard {
     }
 
     fn find_free(&self, env: &Env<'_>, rounded: u64, small: bool) -> Option<BlockId> {
-        let index = if small {
-            &self.free_small
-        } else {
-            &self.free_large
-        };
-        let mut best: Option<FreeKey> = index.first_at_least(rounded);
+        let mut best: Option<FreeKey> = self.index(small).first_at_least(rounded);
         if env.growth == GrowthMode::Vmm {
             // Best fit over the index and the segments' free tails, in the index's order.
             for (_, seg) in self.segments.iter() {
@@ -1514,11 +1515,7 @@ impl Shard {
                 }
                 match b.state {
                     BlockState::Free => {
-                        let index = if small {
-                            &self.free_small
-                        } else {
-                            &self.free_large
-                        };
+                        let index = self.index(small);
                         let tail = seg.is_vmm() && b.addr + b.size == seg.addr + seg.size;
                         if tail {
                             if seg.free_tail != Some(id) {
