@@ -62,8 +62,20 @@ static void do_free(int kind, void* p, cudaStream_t s) {
   cudaFree(p);
 }
 
-// same size alloc+free pairs, T threads; returns ns per pair (wall / (iters*T))
-double bench_same(int kind, int64_t iters, int64_t size, int threads) {
+// A spinner: integer work on its own registers, sharing no memory, until `stop`.
+static void spin(const std::atomic<bool>* stop, uint64_t x) {
+  while (!stop->load(std::memory_order_relaxed))
+    for (int i = 0; i < 1000; i++) x = x * 6364136223846793005ull + 1442695040888963407ull;
+  if (x == 42) printf(" ");
+}
+
+// same size alloc+free pairs, T threads; returns ns per pair (wall / (iters*T)). `spinners`
+// threads spin beside them: one thread beside 15 spinners is one thread on a host whose cores
+// are all busy, as in the 16-thread run (this host runs a lone busy core up to ~1.8x faster).
+double bench_same(int kind, int64_t iters, int64_t size, int threads, int spinners) {
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> spin_threads;
+  for (int i = 0; i < spinners; i++) spin_threads.emplace_back(spin, &stop, uint64_t(i + 1));
   cudaMemPool_t pool; cudaDeviceGetDefaultMemPool(&pool, 0);
   uint64_t thr = UINT64_MAX; cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr);
   std::vector<cudaStream_t> streams(threads);
@@ -88,6 +100,8 @@ double bench_same(int kind, int64_t iters, int64_t size, int threads) {
   for (auto& x : th) x.join();
   auto t1 = clk::now();
   cudaDeviceSynchronize();
+  stop.store(true);
+  for (auto& x : spin_threads) x.join();
   return std::chrono::duration<double, std::nano>(t1 - t0).count() / double(iters * threads);
 }
 
@@ -115,7 +129,7 @@ double bench_mixed(int kind, int64_t iters, int live, uint64_t seed) {
   return std::chrono::duration<double, std::nano>(t1 - t0).count() / double(iters);
 }
 '''
-cpp_decl = "double bench_same(int kind, int64_t iters, int64_t size, int threads); double bench_mixed(int kind, int64_t iters, int live, uint64_t seed); int64_t sp_load(std::string path);"
+cpp_decl = "double bench_same(int kind, int64_t iters, int64_t size, int threads, int spinners); double bench_mixed(int kind, int64_t iters, int live, uint64_t seed); int64_t sp_load(std::string path);"
 
 t0 = time.time()
 m = load_inline(name="alloc_bench", cpp_sources=[cpp_decl], cuda_sources=[src],
@@ -140,11 +154,16 @@ for kind in kinds:
     for size in (4096, 1 << 20, 64 << 20):
         for threads in ((1, 4, 16) if kind != 2 else (1,)):
             # The median of `reps` runs (the host's speed drifts between runs).
-            vals = [m.bench_same(kind, it // max(1, threads // 4), size, threads) for _ in range(reps)]
+            vals = [m.bench_same(kind, it // max(1, threads // 4), size, threads, 0) for _ in range(reps)]
             res[f"{names[kind]}/same/{size}/t{threads}"] = median(vals)
             # The fastest run: the cost when the (shared, virtualised) host is undisturbed.
             res[f"{names[kind]}/same/{size}/t{threads}/best"] = min(vals)
             print(names[kind], "same", size, "t", threads, f"{median(vals):.1f} ns/pair", [round(v,1) for v in vals], flush=True)
+        if kind != 2:
+            # One thread beside 15 spinners: the single-thread baseline on an equally busy host.
+            vals = [m.bench_same(kind, it, size, 1, 15) for _ in range(reps)]
+            res[f"{names[kind]}/same/{size}/t1_beside_15_spinners"] = median(vals)
+            print(names[kind], "same", size, "t 1 beside 15 spinners", f"{median(vals):.1f} ns/pair", [round(v,1) for v in vals], flush=True)
     if kind != 2:
         vals = [m.bench_mixed(kind, 200000, 64, 7) for _ in range(3)]
         res[f"{names[kind]}/mixed64"] = sorted(vals)[1]
