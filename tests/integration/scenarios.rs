@@ -80,6 +80,57 @@ fn checkpoint_restore_frees_new_and_recreates_old() {
     }
 }
 
+/// keep_live is resolved in the pool's own shards: pointers of several streams (shards) in one
+/// list survive, and one stray pointer among them refuses the restore, named, with nothing changed.
+#[test]
+fn keep_live_spans_the_pools_shards() {
+    let (_, a) = setup(GrowthMode::Vmm, 1 << 30);
+    let other = PoolId(0, 2);
+    a.create_or_incref_pool(POOL, PoolOptions::default())
+        .unwrap();
+    a.create_or_incref_pool(other, PoolOptions::default())
+        .unwrap();
+    let kept: Vec<u64> = (0..12)
+        .map(|i| a.alloc_in(POOL, MIB * (1 + i % 3), i % 4).unwrap())
+        .collect();
+    let q = a.alloc_in(other, MIB, 1).unwrap();
+    let cp = a.checkpoint(POOL).unwrap();
+    for s in 0..4 {
+        a.alloc_in(POOL, 3 * MIB, s).unwrap();
+    }
+    a.check_invariants().unwrap();
+    // Kept pointers interleaved across the four shards, then a stray of another pool in the
+    // middle, then a pointer that was never allocated.
+    let mut keep: Vec<u64> = kept.iter().rev().copied().collect();
+    for stray in [q, 0xdead_0000] {
+        keep.insert(5, stray);
+        let before = a.state_dump();
+        match a.restore(POOL, &cp, &keep) {
+            Err(AllocError::CheckpointMismatch(d)) => {
+                assert_eq!(d.mismatches.len(), 1, "{d}");
+                assert!(d.mismatches[0].starts_with(&format!("{stray:#x}")), "{d}");
+                assert_eq!(d.added.len(), 4, "{d}");
+            }
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+        assert_eq!(
+            a.state_dump(),
+            before,
+            "a refused restore changed the state"
+        );
+        a.check_invariants().unwrap();
+        keep.remove(5);
+    }
+    let delta = a.restore(POOL, &cp, &keep).unwrap();
+    assert_eq!(delta.freed.len(), 4);
+    assert!(delta.created.is_empty());
+    a.check_invariants().unwrap();
+    for p in kept {
+        a.free(p).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
 #[test]
 fn restore_mismatches_change_nothing() {
     let (dev, a) = setup(GrowthMode::Vmm, 1 << 30);

@@ -866,20 +866,19 @@ impl Shard {
             }
         }
         for &(addr, id) in keep {
-            let size = self.blocks.get(id).map_or(0, |b| b.size);
-            let survives = match seen.get(id) {
-                None => true,
-                Some(k) => {
-                    let img = plan.images[k as usize].1;
-                    // Its own image, unchanged and live, or another block live there then.
-                    (img != NO_IMAGE && {
-                        let t = &self.journal.images[img as usize];
-                        t.state == BlockState::Allocated && t.addr == addr && t.size == size
-                    }) || then
-                        .binary_search_by_key(&addr, |x| x.0)
-                        .is_ok_and(|k| then[k].1 == size)
-                }
+            // A block the journal does not name is as it was at the checkpoint: live then too.
+            let Some(k) = seen.get(id) else {
+                continue;
             };
+            let size = self.blocks.get(id).map_or(0, |b| b.size);
+            let img = plan.images[k as usize].1;
+            // Its own image, unchanged and live, or another block live there then.
+            let survives = (img != NO_IMAGE && {
+                let t = &self.journal.images[img as usize];
+                t.state == BlockState::Allocated && t.addr == addr && t.size == size
+            }) || then
+                .binary_search_by_key(&addr, |x| x.0)
+                .is_ok_and(|k| then[k].1 == size);
             if !survives {
                 diff.mismatches.push(format!(
                     "{addr:#x}+{size} must stay live but the checkpoint does not have it"
