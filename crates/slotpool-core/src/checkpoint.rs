@@ -865,6 +865,8 @@ impl Shard {
                 j += 1;
             }
         }
+        // With no entry since the mark, every kept block is as it was at the checkpoint.
+        let keep = if plan.images.is_empty() { &[] } else { keep };
         for &(addr, id) in keep {
             // A block the journal does not name is as it was at the checkpoint: live then too.
             let Some(k) = seen.get(id) else {

@@ -222,7 +222,16 @@ impl Shard {
     #[inline]
     pub fn lookup(&self, ptr: DevicePtr) -> Option<BlockId> {
         let id = *self.live.get(&ptr)?;
-        (self.blocks[id].state == BlockState::Allocated).then_some(id)
+        // The live map holds the allocated and the cached blocks (invariant 8), and an empty
+        // quick cache means none is cached (9): then the block itself need not be read (a
+        // restore checks thousands of kept pointers this way, each block a cache miss).
+        let allocated = if self.quick.is_empty() {
+            debug_assert_eq!(self.blocks[id].state, BlockState::Allocated);
+            true
+        } else {
+            self.blocks[id].state == BlockState::Allocated
+        };
+        allocated.then_some(id)
     }
 
     /// Frees waiting on cross-stream events or on the end of a capture.
