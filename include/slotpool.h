@@ -157,8 +157,8 @@ sp_status sp_version(int* major, int* minor, int* patch);
 
 /** Returns 1 if this build supports the feature name, else 0 (also for NULL or unknown names).
  *  Names: "cuda", "sim", "vmm", "pools", "routes", "statistics", "snapshot",
- *  "torch_pluggable"; "checkpoint", "arenas", "variant_groups" and "traces" are 0 in this
- *  version. Never initialises; works after sp_shutdown. */
+ *  "torch_pluggable", "checkpoint", "arenas", "variant_groups", "traces", "vmm_ipc"
+ *  (sp_ipc_export / sp_ipc_open). Never initialises; works after sp_shutdown. */
 int sp_has_feature(const char* name);
 
 /** The message of the latest failed call on this thread; "" once a later call on this thread
@@ -250,6 +250,35 @@ sp_status sp_allocation_info(void* ptr, void** base, size_t* size, size_t* reque
  *  allocation, which cudaIpcGetMemHandle can share; offset = ptr - base). All three out-pointers
  *  are required. Errors: SP_ERR_INVALID_ARGUMENT, SP_ERR_UNKNOWN_POINTER. */
 sp_status sp_segment_info(void* ptr, void** base, size_t* size, int* vmm);
+
+/* ---- CUDA IPC of vmm memory --------------------------------------------------------------- */
+
+/** Exports the physical pages under the live vmm allocation at ptr, for another process to map
+ *  (what PyTorch does for its expandable segments; classic segments are shared with
+ *  cudaIpcGetMemHandle instead, see sp_segment_info). *count receives the number of pages that
+ *  cover the allocation, even when fds is too small; fds[0..*count] their POSIX file
+ *  descriptors in address order (this process's, kept open while the pages live: receivers
+ *  duplicate them with pidfd_getfd); *page_size their size; *offset where the allocation starts
+ *  in the first page. fds may be NULL when capacity is 0. Errors: SP_ERR_INVALID_ARGUMENT (NULL,
+ *  capacity below *count, a classic segment), SP_ERR_UNKNOWN_POINTER, SP_ERR_BACKEND_UNAVAILABLE
+ *  (the simulated device, or a GPU without POSIX file-descriptor handles), SP_ERR_DEVICE. */
+sp_status sp_ipc_export(void* ptr, int* fds, size_t capacity, size_t* count, size_t* page_size,
+                        size_t* offset);
+
+/** Maps pages that process pid exported (sp_ipc_export, or PyTorch's expandable segments): fds
+ *  are its descriptors of count pages of page_size bytes, in address order. *base receives the
+ *  address of the first page on device; the memory stays alive while mapped here, whatever the
+ *  exporter does, until sp_ipc_close. Needs pidfd_getfd (Linux 5.6) and permission to use it on
+ *  pid (the same user, or ptrace rights). Errors: SP_ERR_INVALID_ARGUMENT (NULL, count 0 or over
+ *  2^20, a page size that is not a multiple of the granularity, a process or descriptor that
+ *  cannot be reached), SP_ERR_BACKEND_UNAVAILABLE (the simulated device), SP_ERR_DEVICE. A
+ *  failure maps nothing. */
+sp_status sp_ipc_open(int device, int pid, const int* fds, size_t count, size_t page_size,
+                      void** base);
+
+/** Unmaps memory that sp_ipc_open mapped on device. Errors: SP_ERR_INVALID_ARGUMENT (NULL, not
+ *  such memory), SP_ERR_BACKEND_UNAVAILABLE, SP_ERR_DEVICE. */
+sp_status sp_ipc_close(int device, void* base);
 
 /** Returns the unused cached memory of device (-1: every device) to the backend
  *  (torch.cuda.empty_cache). Pools still in use keep theirs (live graphs may reference it). */

@@ -478,13 +478,16 @@ def c_api(alloc, arg):
         del y
 
     def ipc():
-        # torch.multiprocessing: a CUDA tensor sent to a spawned process, which opens the
-        # handle with its own allocator (PyTorch's, and slotpool's under slotpool), checks the
-        # values and writes one; classic-segment memory only (vmm raises, with advice).
+        # torch.multiprocessing: CUDA tensors sent to a spawned process, which opens each handle
+        # with its own allocator, checks the values and writes one that the sender must see.
+        # 256 KiB lives in a classic segment ('c' handle: cudaIpcMemHandle_t). Under slotpool,
+        # 3 MiB and 40 MiB live in vmm pages ('e' handle: PyTorch's expandable-segment format,
+        # the pages' file descriptors), the second at an offset into its first page. Under
+        # PyTorch's allocator, 64 MiB of its own expandable segments goes to a slotpool receiver.
         import torch.multiprocessing as tmp
         ctx = tmp.get_context("spawn")
-        for receiver in (["native", "slotpool"] if slot else ["native"]):
-            t = torch.arange(64 * 1024, dtype=torch.float32, device=dev)  # 256 KiB
+
+        def send(t, receiver):
             q_in, q_out = ctx.Queue(), ctx.Queue()
             p = ctx.Process(target=ipc_receiver, args=(receiver, q_in, q_out))
             p.start()
@@ -494,17 +497,35 @@ def c_api(alloc, arg):
             finally:
                 q_in.put("done")
                 p.join(timeout=60)
-            assert r == "ok", f"receiver {receiver}: {r}"
+            what = f"{t.numel() * 4 >> 10} KiB to {receiver}"
+            assert r == "ok", f"{what}: {r}"
             torch.cuda.synchronize()
-            assert float(t[0]) == -1.0, f"receiver {receiver}: its write did not arrive"
+            assert float(t[0]) == -1.0, f"{what}: the receiver's write did not arrive"
+
+        floats = [64 * 1024]
         if slot:
-            big = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
+            floats += [3 * MiB // 4, 10 * MiB]
+        for n in floats:
+            for receiver in ["native", "slotpool"]:
+                send(torch.arange(n, dtype=torch.float32, device=dev), receiver)
+        if slot:
+            big = torch.arange(10 * MiB, dtype=torch.float32, device=dev)
+            # What the handle of the 40 MiB tensor carried (libslotpool.so is loaded global).
+            import ctypes
+            count, page, offset = (ctypes.c_size_t() for _ in range(3))
+            fds = (ctypes.c_int * 8)()
+            lib = ctypes.CDLL(None)
+            rc = lib.sp_ipc_export(ctypes.c_void_p(big.data_ptr()), fds, 8, ctypes.byref(count),
+                                   ctypes.byref(page), ctypes.byref(offset))
+            assert rc == 0, rc
+            keep["ipc"] = {"pages": count.value, "page_size": page.value,
+                           "offset": offset.value}
+        else:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
             try:
-                big.untyped_storage()._share_cuda_()
-            except RuntimeError as e:
-                assert "growth:classic" in str(e), str(e)
-            else:
-                return "sharing vmm memory did not raise"
+                send(torch.arange(16 * MiB, dtype=torch.float32, device=dev), "slotpool")
+            finally:
+                torch.cuda.memory._set_allocator_settings("expandable_segments:False")
 
     def multi_gpu():
         if torch.cuda.device_count() < 2:
@@ -687,7 +708,8 @@ def c_api(alloc, arg):
               ("compile_reduce_overhead", compile_ro), ("oom", oom),
               ("sp_orphan_pins_pool", sp_orphan_pins_pool)]
     res = {"checks": run_checks(checks), "memory_stats_keys": keep.get("keys", []),
-           "alloc_conf": keep.get("alloc_conf"), "trace_tracker": keep.get("trace_tracker")}
+           "alloc_conf": keep.get("alloc_conf"), "trace_tracker": keep.get("trace_tracker"),
+           "ipc": keep.get("ipc")}
     res["ok"] = all(v == "ok" or v.startswith("skipped") for v in res["checks"].values())
     return res
 
@@ -1051,7 +1073,7 @@ def s_api():
             "failing": failing, "missing_stats_keys": sorted(nk - sk), "extra_stats_keys": sorted(sk - nk),
             "slotpool_checks": checks, "native_checks": native_checks,
             "errors": {k: r.get("error") for k, r in (("native", native), ("slotpool", slot)) if r.get("error")},
-            "details": {k: {d: r.get(d) for d in ("alloc_conf", "trace_tracker")}
+            "details": {k: {d: r.get(d) for d in ("alloc_conf", "trace_tracker", "ipc")}
                         for k, r in (("native", native), ("slotpool", slot))}}
 
 

@@ -861,3 +861,48 @@ fn a_slack_base_stops_page_moves_of_mixed_sizes() {
         "the base costs at most itself: {reserved_base} against {reserved_none}"
     );
 }
+
+/// `shared_pages` (CUDA IPC of vmm memory): the physical pages under a live vmm block, in order,
+/// covering it exactly from the page that holds its start; refusals for classic memory and for
+/// pointers that are not live.
+#[test]
+fn shared_pages_cover_a_live_vmm_block() {
+    let page = 2 * MIB;
+    let (_, a) = crate::common::setup_paged(GrowthMode::Vmm, 1 << 30, Some(page));
+    let small = a.alloc(3 * MIB, 0).unwrap();
+    let big = a.alloc(9 * MIB, 0).unwrap();
+    for (p, size) in [(small, 3 * MIB), (big, 9 * MIB)] {
+        let (base, _, vmm) = a.segment_info(p).unwrap();
+        assert!(vmm);
+        let shared = a.shared_pages(p).unwrap();
+        assert_eq!(shared.page_size, page);
+        let first = (p - base) / page;
+        assert_eq!(shared.offset, p - base - first * page);
+        let end = (p + size - base).div_ceil(page);
+        assert_eq!(shared.pages.len() as u64, end - first, "{shared:?}");
+        let mut sorted = shared.pages.clone();
+        sorted.dedup();
+        assert_eq!(sorted.len(), shared.pages.len(), "one physical page each");
+    }
+    // The two blocks are neighbours: the page they share appears in both lists.
+    let (s, b) = (a.shared_pages(small).unwrap(), a.shared_pages(big).unwrap());
+    if !(small + 3 * MIB).is_multiple_of(page) {
+        assert_eq!(s.pages.last(), b.pages.first());
+    }
+    a.free(big).unwrap();
+    assert!(matches!(
+        a.shared_pages(big),
+        Err(AllocError::UnknownPointer(_))
+    ));
+    assert!(matches!(
+        a.shared_pages(small + 512),
+        Err(AllocError::UnknownPointer(_))
+    ));
+    let (_, c) = setup(GrowthMode::Classic, 1 << 30);
+    let q = c.alloc(MIB, 0).unwrap();
+    assert!(matches!(
+        c.shared_pages(q),
+        Err(AllocError::InvalidArgument(_))
+    ));
+    a.check_invariants().unwrap();
+}

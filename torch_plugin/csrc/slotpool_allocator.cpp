@@ -14,6 +14,7 @@
 #include <torch/headeronly/version.h>
 
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cinttypes>
@@ -1460,15 +1461,28 @@ void SlotpoolAllocator::on_trace_event(const sp_trace_event* e, void* self) {
   }
 }
 
-// CUDA IPC (torch.multiprocessing) in PyTorch's handle format, version 2: a version byte, 'c',
-// then the cudaIpcMemHandle_t of a cudaMalloc'd segment's base; the block's offset travels beside
-// it. slotpool's classic segments are such allocations, so any receiver (PyTorch's allocator or
-// slotpool) opens them. vmm reservations are not: cudaIpcGetMemHandle refuses them, and
-// PyTorch's expandable-segment handles ('e') are neither produced nor opened here.
+// CUDA IPC (torch.multiprocessing) in PyTorch's handle format, version 2: a version byte, then
+//  - 'c' and the cudaIpcMemHandle_t of a cudaMalloc'd segment's base (slotpool's classic
+//    segments are such allocations);
+//  - 'e' and the pages of an expandable segment, which is what slotpool's vmm reservations are:
+//    a header {pid_t pid; (4 bytes of padding); size_t page_size; size_t count} and `count` ints,
+//    the sender's POSIX file descriptors of the physical pages that cover the block, in address
+//    order (the layout PyTorch 2.11 writes, benches/gpu/ipc_probe.py on the H200). The receiver
+//    duplicates them with pidfd_getfd and maps them in order.
+// The block's offset (into its segment, or into its first page) travels beside the handle. Both
+// kinds are opened here whichever allocator sent them, and slotpool's handles by PyTorch's own.
 namespace {
 constexpr char kIpcHandleVersion = 2;
 constexpr char kIpcCudaMalloc = 'c';
 constexpr char kIpcExpandable = 'e';
+
+struct IpcPagesHeader {
+  int32_t pid;
+  int32_t padding;
+  uint64_t page_size;
+  uint64_t count;
+};
+static_assert(sizeof(IpcPagesHeader) == 24, "PyTorch's expandable-segment share header");
 }  // namespace
 
 CCA::ShareableHandle SlotpoolAllocator::shareIpcHandle(void* ptr) {
@@ -1476,32 +1490,46 @@ CCA::ShareableHandle SlotpoolAllocator::shareIpcHandle(void* ptr) {
   size_t size = 0;
   int vmm = 0;
   check(sp_segment_info(ptr, &base, &size, &vmm), "sp_segment_info");
-  TORCH_CHECK(vmm == 0,
-              "slotpool: this tensor lives in vmm memory, which CUDA IPC cannot share "
-              "(cudaIpcGetMemHandle needs cudaMalloc memory). Processes that share CUDA tensors "
-              "can run slotpool with growth:classic (SLOTPOOL_CONF or "
-              "slotpool_torch.install(conf=...)); with the default 16 MiB vmm pages, blocks of "
-              "1 MiB or less are classic already.");
-  cudaIpcMemHandle_t handle;
-  C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, base));
   std::string bytes;
-  bytes.reserve(2 + sizeof handle);
   bytes.push_back(kIpcHandleVersion);
-  bytes.push_back(kIpcCudaMalloc);
-  bytes.append(reinterpret_cast<const char*>(&handle), sizeof handle);
-  return CCA::ShareableHandle{static_cast<char*>(ptr) - static_cast<char*>(base),
-                              std::move(bytes)};
+  if (vmm == 0) {
+    cudaIpcMemHandle_t handle;
+    C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, base));
+    bytes.push_back(kIpcCudaMalloc);
+    bytes.append(reinterpret_cast<const char*>(&handle), sizeof handle);
+    return CCA::ShareableHandle{static_cast<char*>(ptr) - static_cast<char*>(base),
+                                std::move(bytes)};
+  }
+  size_t count = 0, page_size = 0, offset = 0;
+  // A first call with no room only reports how many pages cover the block.
+  (void)sp_ipc_export(ptr, nullptr, 0, &count, &page_size, &offset);
+  TORCH_CHECK(count > 0, "slotpool: sp_ipc_export: ", sp_last_error_message());
+  std::vector<int> fds(count, -1);
+  check(sp_ipc_export(ptr, fds.data(), fds.size(), &count, &page_size, &offset),
+        "sp_ipc_export");
+  IpcPagesHeader header{static_cast<int32_t>(getpid()), 0, page_size, count};
+  bytes.push_back(kIpcExpandable);
+  bytes.append(reinterpret_cast<const char*>(&header), sizeof header);
+  bytes.append(reinterpret_cast<const char*>(fds.data()), fds.size() * sizeof(int));
+  return CCA::ShareableHandle{static_cast<ptrdiff_t>(offset), std::move(bytes)};
 }
 
 std::shared_ptr<void> SlotpoolAllocator::getIpcDevPtr(std::string handle) {
   TORCH_CHECK(handle.size() >= 2 && handle[0] == kIpcHandleVersion,
               "slotpool: a CUDA IPC handle of an unknown format (not PyTorch's version ",
               static_cast<int>(kIpcHandleVersion), ")");
-  TORCH_CHECK(handle[1] != kIpcExpandable,
-              "slotpool: the sender shared memory of PyTorch's expandable segments, which "
-              "slotpool cannot open; the sending process can use expandable_segments:False");
-  TORCH_CHECK(handle[1] == kIpcCudaMalloc && handle.size() == 2 + sizeof(cudaIpcMemHandle_t),
-              "slotpool: a CUDA IPC handle of an unknown type or size");
+  const bool pages = handle[1] == kIpcExpandable;
+  IpcPagesHeader header{};
+  if (pages) {
+    TORCH_CHECK(handle.size() >= 2 + sizeof header, "slotpool: a truncated 'e' IPC handle");
+    std::memcpy(&header, handle.data() + 2, sizeof header);
+    TORCH_CHECK(header.count > 0 && header.count <= (1u << 20) &&
+                    handle.size() == 2 + sizeof header + header.count * sizeof(int),
+                "slotpool: an 'e' IPC handle of the wrong size");
+  } else {
+    TORCH_CHECK(handle[1] == kIpcCudaMalloc && handle.size() == 2 + sizeof(cudaIpcMemHandle_t),
+                "slotpool: a CUDA IPC handle of an unknown type or size");
+  }
   std::lock_guard<std::mutex> lock(ipc_mu_);
   auto it = ipc_opened_.find(handle);
   if (it != ipc_opened_.end()) {
@@ -1509,17 +1537,31 @@ std::shared_ptr<void> SlotpoolAllocator::getIpcDevPtr(std::string handle) {
       return open;
     }
   }
-  cudaIpcMemHandle_t h;
-  std::memcpy(&h, handle.data() + 2, sizeof h);
-  void* dev_ptr = nullptr;
-  C10_CUDA_CHECK(cudaIpcOpenMemHandle(&dev_ptr, h, cudaIpcMemLazyEnablePeerAccess));
   c10::DeviceIndex device = 0;
   C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  void* dev_ptr = nullptr;
+  if (pages) {
+    ensure_initialized();
+    std::vector<int> fds(header.count);
+    std::memcpy(fds.data(), handle.data() + 2 + sizeof header, fds.size() * sizeof(int));
+    check(sp_ipc_open(device, header.pid, fds.data(), fds.size(), header.page_size, &dev_ptr),
+          "sp_ipc_open");
+  } else {
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data() + 2, sizeof h);
+    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&dev_ptr, h, cudaIpcMemLazyEnablePeerAccess));
+  }
   // Closed on the device that opened it, once the last storage using it is gone.
-  std::shared_ptr<void> open(dev_ptr, [this, handle, device](void* p) {
+  std::shared_ptr<void> open(dev_ptr, [this, handle, device, pages](void* p) {
     c10::cuda::CUDAGuard guard(device);
     std::lock_guard<std::mutex> lock(ipc_mu_);
-    C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(p));
+    if (pages) {
+      if (sp_ipc_close(device, p) != SP_OK) {
+        TORCH_WARN("slotpool: sp_ipc_close: ", sp_last_error_message());
+      }
+    } else {
+      C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(p));
+    }
     auto entry = ipc_opened_.find(handle);
     if (entry != ipc_opened_.end() && entry->second.expired()) {
       ipc_opened_.erase(entry);

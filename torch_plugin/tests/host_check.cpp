@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
@@ -194,8 +195,8 @@ void* sp_alloc_or_die(size_t size) {
 
 }  // namespace
 
-// The CUDA IPC paths that fail before any CUDA call: sharing vmm memory, and handles this
-// allocator cannot open. (Sharing and opening classic segments needs a GPU: torch_scenarios.py.)
+// The CUDA IPC paths that fail before any CUDA call: sharing vmm memory on the simulated device,
+// and malformed handles. (Sharing and opening real memory needs a GPU: torch_scenarios.py.)
 std::string thrown(const std::function<void()>& f) {
   try {
     f();
@@ -208,7 +209,8 @@ std::string thrown(const std::function<void()>& f) {
 void check_ipc_refusals(slotpool_torch::SlotpoolAllocator& a) {
   void* big = sp_alloc_or_die(40u << 20);  // beyond the default 16 MiB pages' small blocks: vmm
   auto msg = thrown([&] { a.shareIpcHandle(big); });
-  expect(msg.find("growth:classic") != std::string::npos, "sharing vmm memory is refused: " + msg);
+  expect(msg.find("simulated") != std::string::npos,
+         "the simulated device refuses to share vmm memory: " + msg);
   slotpool_torch::check(sp_free(big), "sp_free");
   // getBaseAllocation: a classic block's segment (2 MiB), a vmm block itself.
   void* small = sp_alloc_or_die(100u << 10);
@@ -222,9 +224,19 @@ void check_ipc_refusals(slotpool_torch::SlotpoolAllocator& a) {
   expect(a.getBaseAllocation(big2, &bytes) == big2 && bytes == (40u << 20),
          "getBaseAllocation of a vmm block is the block");
   slotpool_torch::check(sp_free(big2), "sp_free");
-  std::string expandable("\x02" "e" "0123456789", 12);
-  msg = thrown([&] { a.getIpcDevPtr(expandable); });
-  expect(msg.find("expandable") != std::string::npos, "an 'e' handle is refused: " + msg);
+  std::string truncated("\x02" "e" "0123456789", 12);
+  msg = thrown([&] { a.getIpcDevPtr(truncated); });
+  expect(msg.find("truncated") != std::string::npos, "a truncated 'e' handle is refused: " + msg);
+  // A header announcing two descriptors, followed by one.
+  std::string wrong("\x02" "e", 2);
+  const int32_t pid_pad[2] = {1, 0};
+  const uint64_t size_count[2] = {16u << 20, 2};
+  const int32_t fd = 3;
+  wrong.append(reinterpret_cast<const char*>(pid_pad), sizeof pid_pad);
+  wrong.append(reinterpret_cast<const char*>(size_count), sizeof size_count);
+  wrong.append(reinterpret_cast<const char*>(&fd), sizeof fd);
+  msg = thrown([&] { a.getIpcDevPtr(wrong); });
+  expect(msg.find("wrong size") != std::string::npos, "an 'e' handle of the wrong size: " + msg);
   msg = thrown([&] { a.getIpcDevPtr(std::string("\x01" "c", 2)); });
   expect(msg.find("unknown format") != std::string::npos, "an old version is refused: " + msg);
   msg = thrown([&] { a.getIpcDevPtr(std::string("\x02" "c" "short", 7)); });

@@ -124,6 +124,7 @@ pub const FEATURES: &[(&str, bool)] = &[
     ("arenas", true),
     ("variant_groups", true),
     ("traces", true),
+    ("vmm_ipc", true),
 ];
 
 // ------------------------------------------------------------------------------------------------

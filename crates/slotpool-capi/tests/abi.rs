@@ -49,6 +49,7 @@ fn version_features_and_backend() {
         assert_eq!(sp_has_feature(c"vmm".as_ptr()), 1);
         assert_eq!(sp_has_feature(c"checkpoint".as_ptr()), 1);
         assert_eq!(sp_has_feature(c"traces".as_ptr()), 1);
+        assert_eq!(sp_has_feature(c"vmm_ipc".as_ptr()), 1);
         assert_eq!(sp_has_feature(c"ipc".as_ptr()), 0);
         assert_eq!(sp_has_feature(c"no such thing".as_ptr()), 0);
         assert_eq!(sp_has_feature(ptr::null()), 0);
@@ -191,6 +192,126 @@ fn segment_info_names_the_segment_and_its_kind() {
         (null_mut(), 0, -1),
         "a refused call writes nothing"
     );
+    ok(sp_free(small));
+    ok(sp_free(large));
+}
+
+/// CUDA IPC of vmm memory on the sim backend: bad input is refused with nothing written, a
+/// classic block is sent to cudaIpcGetMemHandle, a short fds array reports the page count, and
+/// the simulated device refuses to export or map (it has no other process to share with).
+#[test]
+fn ipc_export_and_open_refuse_bad_input() {
+    setup();
+    let small = alloc(SHARED, 100 * 1024, 0);
+    let large = alloc(SHARED, 40 * MIB, 0);
+    let (mut count, mut page, mut offset) = (usize::MAX, 0usize, 0usize);
+    let mut fds = [-1i32; 8];
+    // SAFETY: valid out-pointers and an fds array of 8, or NULL where the call must refuse.
+    unsafe {
+        expect(
+            sp_ipc_export(
+                large,
+                fds.as_mut_ptr(),
+                8,
+                null_mut(),
+                &mut page,
+                &mut offset,
+            ),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        expect(
+            sp_ipc_export(
+                null_mut(),
+                fds.as_mut_ptr(),
+                8,
+                &mut count,
+                &mut page,
+                &mut offset,
+            ),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        expect(
+            sp_ipc_export(large, null_mut(), 8, &mut count, &mut page, &mut offset),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        assert_eq!(count, usize::MAX, "a refused call writes nothing");
+        expect(
+            sp_ipc_export(
+                bogus(0x5000_0000),
+                fds.as_mut_ptr(),
+                8,
+                &mut count,
+                &mut page,
+                &mut offset,
+            ),
+            sp_status::SP_ERR_UNKNOWN_POINTER,
+        );
+        expect(
+            sp_ipc_export(
+                small,
+                fds.as_mut_ptr(),
+                8,
+                &mut count,
+                &mut page,
+                &mut offset,
+            ),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        assert!(
+            last_error().contains("cudaIpcGetMemHandle"),
+            "{}",
+            last_error()
+        );
+        // A size query: no room, the page count comes back (40 MiB over 16 MiB pages: 3 or 4).
+        expect(
+            sp_ipc_export(large, null_mut(), 0, &mut count, &mut page, &mut offset),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        assert!((3..=4).contains(&count), "{count}");
+        expect(
+            sp_ipc_export(
+                large,
+                fds.as_mut_ptr(),
+                8,
+                &mut count,
+                &mut page,
+                &mut offset,
+            ),
+            sp_status::SP_ERR_BACKEND_UNAVAILABLE,
+        );
+        assert!(last_error().contains("simulated"), "{}", last_error());
+        assert_eq!(fds, [-1; 8], "nothing exported");
+        let mut base = null_mut();
+        expect(
+            sp_ipc_open(SHARED, 1, fds.as_ptr(), 0, 16 * MIB, &mut base),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        expect(
+            sp_ipc_open(SHARED, 1, ptr::null(), 1, 16 * MIB, &mut base),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        expect(
+            sp_ipc_open(SHARED, 1, fds.as_ptr(), 1, 16 * MIB, null_mut()),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        expect(
+            sp_ipc_open(999, 1, fds.as_ptr(), 1, 16 * MIB, &mut base),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        expect(
+            sp_ipc_open(SHARED, 1, fds.as_ptr(), 1, 16 * MIB, &mut base),
+            sp_status::SP_ERR_BACKEND_UNAVAILABLE,
+        );
+        assert!(base.is_null());
+        expect(
+            sp_ipc_close(SHARED, null_mut()),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        expect(
+            sp_ipc_close(SHARED, bogus(0x5000_0000)),
+            sp_status::SP_ERR_BACKEND_UNAVAILABLE,
+        );
+    }
     ok(sp_free(small));
     ok(sp_free(large));
 }

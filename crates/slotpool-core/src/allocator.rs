@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use rustc_hash::FxHashMap;
 
 use crate::config::{Config, GrowthMode};
-use crate::device::{CaptureStatus, Device, DevicePtr, StreamId};
+use crate::device::{CaptureStatus, Device, DevicePtr, PageHandle, StreamId};
 use crate::env::{Budget, Env, EventPool, PagePool, Shared};
 use crate::error::{AllocError, AllocResult, OomReport};
 use crate::history::TraceSink;
@@ -23,6 +23,16 @@ use crate::route::{Route, RouteFilter, current_thread_id};
 use crate::shard::{Shard, ShardError};
 use crate::stats::MemoryStats;
 use crate::sync::lock;
+
+/// The physical pages under one vmm allocation ([`Allocator::shared_pages`]): `pages` in address
+/// order, each one physical allocation of `page_size` bytes, the allocation `offset` bytes into
+/// the first. What another process maps, in order, to see the same memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedPages {
+    pub page_size: u64,
+    pub pages: Vec<PageHandle>,
+    pub offset: u64,
+}
 
 /// Largest request accepted (2^56 bytes); anything above is a caller bug, not an OOM.
 pub const MAX_REQUEST: u64 = 1 << 56;
@@ -563,6 +573,38 @@ impl<D: Device> Allocator<D> {
         })
         .flatten()
         .ok_or(AllocError::UnknownPointer(ptr))
+    }
+
+    /// The physical pages under the live allocation at `ptr`, for sharing it with another
+    /// process (CUDA IPC of vmm memory): the pages cover the whole block, and the allocation
+    /// starts `offset` bytes into the first. A live block's pages are all mapped (shard invariant
+    /// 6), and they stay so while it is live.
+    ///
+    /// Errors: [`AllocError::UnknownPointer`] if `ptr` is not a live allocation;
+    /// [`AllocError::InvalidArgument`] if it lies in a classic segment, which is `cudaMalloc`
+    /// memory and is shared with `cudaIpcGetMemHandle` instead.
+    pub fn shared_pages(&self, ptr: DevicePtr) -> AllocResult<SharedPages> {
+        let page_size = self.device().page_size();
+        self.with_owner(ptr, |_, s| {
+            let b = s.block(s.lookup(ptr)?)?;
+            let seg = s.segment(b.segment)?;
+            let crate::block::SegmentKind::Vmm(pt) = &seg.kind else {
+                return Some(Err(AllocError::InvalidArgument(format!(
+                    "{ptr:#x} lies in a classic segment: share it with cudaIpcGetMemHandle"
+                ))));
+            };
+            let first = (b.addr - seg.addr) / page_size;
+            let end = (b.addr + b.size - seg.addr).div_ceil(page_size);
+            let pages = pt.handle.get(first as usize..end as usize)?;
+            let pages: Option<Vec<PageHandle>> = pages.iter().copied().collect();
+            Some(Ok(SharedPages {
+                page_size,
+                pages: pages?,
+                offset: b.addr - seg.addr - first * page_size,
+            }))
+        })
+        .flatten()
+        .ok_or(AllocError::UnknownPointer(ptr))?
     }
 
     /// Retire completed cross-stream events in every shard.

@@ -40,7 +40,7 @@ pub mod stats;
 pub mod sync;
 pub mod variants;
 
-pub use allocator::{Allocator, MAX_REQUEST};
+pub use allocator::{Allocator, MAX_REQUEST, SharedPages};
 pub use arena::{ArenaId, ArenaReport, Overlap};
 pub use checkpoint::{Checkpoint, RestoreDelta, RestoreDiff};
 pub use config::{Config, ConfigError, GrowthMode};

@@ -1,8 +1,9 @@
 //! [`CudaDevice`]: the [`Device`] trait over the CUDA driver API.
 
+use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::ptr;
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Mutex, PoisonError, RwLock};
 
 use cudarc::driver::sys::{
     self, CUcontext, CUdevice, CUdevice_attribute, CUevent, CUevent_flags, CUmemAccess_flags,
@@ -58,6 +59,8 @@ const SYMBOLS: &[&str] = &[
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
 ];
 
 /// Whether a CUDA driver library (`libcuda.so*`) can be loaded in this process. Never panics.
@@ -88,12 +91,21 @@ pub struct CudaDevice {
     vmm: bool,
     /// Access descriptors for `cuMemSetAccess`: this device first, then the peers of
     /// [`Device::add_peer`].
-    access: RwLock<Vec<CUmemAccessDesc>>,
+    pub(crate) access: RwLock<Vec<CUmemAccessDesc>>,
+    /// Pages are made exportable as POSIX file descriptors (the device supports it), so that
+    /// other processes can map them (`ipc.rs`).
+    pub(crate) shareable: bool,
+    /// File descriptors of exported pages, by page handle: kept open while the page lives, since
+    /// a receiver duplicates them (`pidfd_getfd`) whenever it opens the handle; closed by
+    /// [`Device::release_page`].
+    pub(crate) exported: Mutex<HashMap<u64, c_int>>,
+    /// Ranges mapped from other processes' pages (`ipc.rs`): address -> (pages, page bytes).
+    pub(crate) imported: Mutex<HashMap<u64, (usize, usize)>>,
 }
 
 /// Restores the calling thread's previous context when dropped (see [`CudaDevice::enter`]).
 #[must_use]
-struct ContextScope {
+pub(crate) struct ContextScope {
     /// `Some(previous context)` when [`CudaDevice::enter`] switched contexts.
     restore: Option<usize>,
 }
@@ -114,7 +126,7 @@ impl Drop for ContextScope {
 
 /// Puts the calling thread's capture mode back when dropped (see [`relaxed`]).
 #[must_use]
-struct RelaxedScope {
+pub(crate) struct RelaxedScope {
     previous: CUstreamCaptureMode,
 }
 
@@ -132,7 +144,7 @@ impl Drop for RelaxedScope {
 /// scope is dropped, so that calls CUDA forbids during a global-mode capture on another stream
 /// (`cuMemAlloc`, `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`, `cuMemAddressReserve`) neither fail
 /// nor invalidate that capture.
-fn relaxed() -> DeviceResult<RelaxedScope> {
+pub(crate) fn relaxed() -> DeviceResult<RelaxedScope> {
     let mut mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
     // SAFETY: `mode` is a valid, initialised in/out pointer for the duration of the call.
     call("cuThreadExchangeStreamCaptureMode", || unsafe {
@@ -141,7 +153,7 @@ fn relaxed() -> DeviceResult<RelaxedScope> {
     Ok(RelaxedScope { previous: mode })
 }
 
-fn to_usize(bytes: u64, what: &str) -> DeviceResult<usize> {
+pub(crate) fn to_usize(bytes: u64, what: &str) -> DeviceResult<usize> {
     usize::try_from(bytes).map_err(|_| {
         DeviceError::InvalidArgument(format!("{what}: {bytes} bytes do not fit in usize"))
     })
@@ -205,6 +217,11 @@ impl CudaDevice {
             device,
             CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
         )? != 0;
+        let shareable = vmm
+            && device_attribute(
+                device,
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            )? != 0;
 
         let mut ctx: CUcontext = ptr::null_mut();
         // SAFETY: `ctx` is a valid out-pointer and `device` a valid device handle. The reference
@@ -224,12 +241,15 @@ impl CudaDevice {
             page_size: FALLBACK_PAGE_SIZE,
             vmm,
             access: RwLock::new(vec![access_desc(device)]),
+            shareable,
+            exported: Mutex::new(HashMap::new()),
+            imported: Mutex::new(HashMap::new()),
         };
         // From here on an early return drops `this`, which releases the primary context.
         if vmm {
             let granularity = {
                 let _ctx = this.enter()?;
-                let prop = allocation_prop(device);
+                let prop = allocation_prop(device, shareable);
                 let mut granularity: usize = 0;
                 // SAFETY: `granularity` is a valid out-pointer and `prop` a fully initialised
                 // property struct that outlives the call.
@@ -268,6 +288,11 @@ impl CudaDevice {
         }
         self.page_size = bytes;
         Ok(())
+    }
+
+    /// The driver's allocation granularity (the smallest vmm page).
+    pub fn granularity(&self) -> u64 {
+        self.granularity
     }
 
     /// The device ordinal this was opened with.
@@ -333,7 +358,7 @@ impl CudaDevice {
 
     /// Makes the primary context current on this thread if it is not; the returned scope puts the
     /// previous context (possibly none) back when dropped.
-    fn enter(&self) -> DeviceResult<ContextScope> {
+    pub(crate) fn enter(&self) -> DeviceResult<ContextScope> {
         let mut current: CUcontext = ptr::null_mut();
         // SAFETY: `current` is a valid out-pointer for the duration of the call.
         call("cuCtxGetCurrent", || unsafe {
@@ -351,7 +376,7 @@ impl CudaDevice {
         })
     }
 
-    fn require_vmm(&self, what: &'static str) -> DeviceResult<()> {
+    pub(crate) fn require_vmm(&self, what: &'static str) -> DeviceResult<()> {
         if self.vmm {
             Ok(())
         } else {
@@ -365,6 +390,7 @@ impl CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
+        self.close_exports();
         // Errors are ignored: at process exit the driver may already be deinitialised.
         // SAFETY: releases the one reference retained in `new`, exactly once.
         let _ = call("cuDevicePrimaryCtxRelease_v2", || unsafe {
@@ -416,8 +442,8 @@ fn device_attribute(device: CUdevice, attribute: CUdevice_attribute) -> DeviceRe
     Ok(value)
 }
 
-/// Pinned device memory located on `device`, no special handle types.
-fn allocation_prop(device: CUdevice) -> CUmemAllocationProp {
+/// Pinned device memory located on `device`; `shareable`: exportable as a POSIX file descriptor.
+fn allocation_prop(device: CUdevice, shareable: bool) -> CUmemAllocationProp {
     // SAFETY: `CUmemAllocationProp` is a C struct of integers, enums whose value 0 is valid
     // (`*_INVALID`, `CU_MEM_HANDLE_TYPE_NONE`) and a raw pointer; all-zero is its documented
     // "empty" state, and every field we need is set below.
@@ -425,6 +451,10 @@ fn allocation_prop(device: CUdevice) -> CUmemAllocationProp {
     prop.type_ = CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type_ = CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = device;
+    if shareable {
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    }
     prop
 }
 
@@ -510,7 +540,7 @@ impl Device for CudaDevice {
         let bytes = to_usize(self.page_size, "create_page")?;
         let _ctx = self.enter()?;
         let _mode = relaxed()?;
-        let prop = allocation_prop(self.device);
+        let prop = allocation_prop(self.device, self.shareable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` is a valid out-pointer, `prop` is fully initialised and outlives the
         // call, `bytes` is a multiple of the allocation granularity, and flags must be 0.
@@ -521,6 +551,7 @@ impl Device for CudaDevice {
     }
 
     fn release_page(&self, page: PageHandle) -> DeviceResult<()> {
+        self.forget_export(page);
         let _ctx = self.enter()?;
         // SAFETY: by the trait contract `page` came from `create_page` and is released once; the
         // driver validates the handle.
@@ -758,7 +789,15 @@ mod tests {
 
     #[test]
     fn access_and_allocation_descriptors() {
-        let prop = allocation_prop(3);
+        let prop = allocation_prop(3, false);
+        assert_eq!(
+            prop.requestedHandleTypes,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+        );
+        assert_eq!(
+            allocation_prop(3, true).requestedHandleTypes,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        );
         assert_eq!(
             prop.type_,
             CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED

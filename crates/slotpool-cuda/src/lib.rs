@@ -64,6 +64,7 @@ compile_error!("slotpool-cuda stores CUDA handles as u64 and supports 64-bit tar
 
 mod device;
 pub mod error;
+mod ipc;
 
 pub use device::{CudaDevice, driver_present};
 pub use error::guard;

@@ -386,3 +386,73 @@ fn growth_during_global_capture_keeps_the_capture_valid() {
     );
     assert_eq!(status_end, Ok(CaptureStatus::None));
 }
+
+/// CUDA IPC of vmm pages, exporter and importer in one process (`pidfd_getfd` on itself): the
+/// imported range shows the exported pages' bytes in order, writes go both ways, the exported
+/// descriptor is made once per page, and the memory outlives the exporter's release.
+#[test]
+fn exported_pages_map_elsewhere_with_their_content() {
+    let Some((_serial, dev)) = vmm_device() else {
+        return;
+    };
+    if !dev.shareable() {
+        println!("skipped: no POSIX file-descriptor handles");
+        return;
+    }
+    let page = dev.page_size();
+    let bytes = page as usize;
+    let base = dev.reserve(2 * page).expect("reserve");
+    let pages = [
+        dev.create_page().expect("page 0"),
+        dev.create_page().expect("page 1"),
+    ];
+    dev.map_run(base, &pages).expect("map");
+    dev.make_current().expect("make_current");
+    memset(base, 0x31, bytes);
+    memset(base + page, 0x32, bytes);
+    let fds: Vec<i32> = pages
+        .iter()
+        .map(|&p| dev.export_page(p).expect("export"))
+        .collect();
+    assert_eq!(
+        dev.export_page(pages[0]).unwrap(),
+        fds[0],
+        "one descriptor a page"
+    );
+    let pid = std::process::id() as i32;
+    let other = dev.import_pages(pid, &fds, page).expect("import");
+    assert_ne!(other, base);
+    let seen = read(other, 2 * bytes);
+    assert!(
+        seen[..bytes].iter().all(|&b| b == 0x31),
+        "page 0 at the import"
+    );
+    assert!(
+        seen[bytes..].iter().all(|&b| b == 0x32),
+        "page 1 at the import"
+    );
+    memset(other + page, 0x44, 16);
+    assert_eq!(
+        read(base + page, 16),
+        vec![0x44; 16],
+        "a write through the import"
+    );
+    // The exporter lets go of its pages: the import keeps the memory alive.
+    dev.unmap(base).expect("unmap 0");
+    dev.unmap(base + page).expect("unmap 1");
+    for p in pages {
+        dev.release_page(p).expect("release");
+    }
+    dev.release_reservation(base, 2 * page)
+        .expect("release_reservation");
+    assert!(read(other, 16).iter().all(|&b| b == 0x31));
+    dev.close_import(other).expect("close_import");
+    assert!(dev.close_import(other).is_err(), "closed twice");
+    // Bad input maps nothing.
+    assert!(dev.import_pages(pid, &[], page).is_err());
+    assert!(dev.import_pages(pid, &[fds[0]], page + 1).is_err());
+    assert!(
+        dev.import_pages(pid, &[fds[0]], page).is_err(),
+        "a descriptor closed when its page was released"
+    );
+}
