@@ -197,9 +197,12 @@ impl CudaDevice {
             made.handles.push(handle);
         }
         let mut base: sys::CUdeviceptr = 0;
+        // Aligned to the granularity: the exporter's page need not be a power of two (PyTorch's
+        // large-pool pages are 20 MiB), which the driver requires of an alignment.
+        let align = to_usize(self.granularity(), "import_pages")?;
         // SAFETY: `base` is a valid out-pointer; no fixed address (0) and flags must be 0.
         call("cuMemAddressReserve", || unsafe {
-            sys::cuMemAddressReserve(&mut base, total, page, 0, 0)
+            sys::cuMemAddressReserve(&mut base, total, align, 0, 0)
         })?;
         (made.base, made.reserved) = (base, total);
         for (i, &h) in made.handles.clone().iter().enumerate() {
