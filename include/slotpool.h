@@ -259,9 +259,10 @@ sp_status sp_segment_info(void* ptr, void** base, size_t* size, int* vmm);
  *  cover the allocation, even when fds is too small; fds[0..*count] their POSIX file
  *  descriptors in address order (this process's, kept open while the pages live: receivers
  *  duplicate them with pidfd_getfd); *page_size their size; *offset where the allocation starts
- *  in the first page. fds may be NULL when capacity is 0. Errors: SP_ERR_INVALID_ARGUMENT (NULL,
- *  capacity below *count, a classic segment), SP_ERR_UNKNOWN_POINTER, SP_ERR_BACKEND_UNAVAILABLE
- *  (the simulated device, or a GPU without POSIX file-descriptor handles), SP_ERR_DEVICE. */
+ *  in the first page. fds may be NULL when capacity is 0. The allocation must stay allocated
+ *  during the call. Errors: SP_ERR_INVALID_ARGUMENT (NULL, capacity below *count, a classic
+ *  segment), SP_ERR_UNKNOWN_POINTER, SP_ERR_BACKEND_UNAVAILABLE (the simulated device, or a GPU
+ *  without POSIX file-descriptor handles), SP_ERR_DEVICE. */
 sp_status sp_ipc_export(void* ptr, int* fds, size_t capacity, size_t* count, size_t* page_size,
                         size_t* offset);
 

@@ -8,7 +8,8 @@
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch_host torch
 # On demand: record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
 # (growth cost per chunk size), host_sim (the criterion host-cost bench on this host), host_restore
-# (the criterion checkpoint / restore bench on this host), host_abi
+# (the criterion checkpoint / restore bench on this host), ipc_probe (PyTorch's own CUDA IPC handle
+# of expandable-segment memory), host_abi
 # (sp_alloc + sp_free through the .so, simulated device and CUDA, one thread and 16), cpu_probe (the same, pinned to
 # each CPU in turn)
 # Env: TORCH_SCENARIOS, TORCH_TIMEOUT, CHILD_TIMEOUT, CHILD_CPUS (pin torch children, "2-9"),
@@ -110,6 +111,12 @@ if has vmm_sizes; then
     note vmm_sizes "\"build\": false"
     tail -n 30 "$OUT/vmm_sizes_build.log"
   fi
+fi
+
+if has ipc_probe; then
+  # What PyTorch's own allocator writes in a CUDA IPC handle of its expandable segments, and
+  # whether a spawned process may open it here (pidfd_getfd): the format the shim's 'e' follows.
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run ipc_probe 200 python3 benches/gpu/ipc_probe.py
 fi
 
 if has host_sim && [ -x "$LIB/alloc_bench_sim" ]; then
