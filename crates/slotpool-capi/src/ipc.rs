@@ -21,6 +21,15 @@ fn cuda(d: &DevAlloc) -> Result<&slotpool_cuda::CudaDevice, DeviceError> {
     }
 }
 
+/// The error of an import or a close: what the backend refused as an argument (a page size, a
+/// process or descriptor it cannot reach, memory it did not map) is the caller's bad input.
+fn refused(e: DeviceError) -> Error {
+    match e {
+        DeviceError::InvalidArgument(why) => Error::InvalidArgument(why),
+        other => other.into(),
+    }
+}
+
 /// Exports the physical pages under the live vmm allocation at `ptr`: `*count` receives how many
 /// pages cover it, `fds[0..count]` their file descriptors (this process's, kept open while the
 /// pages live), `*page_size` their size and `*offset` where the allocation starts in the first.
@@ -114,7 +123,9 @@ pub unsafe extern "C" fn sp_ipc_open(
         // SAFETY: non-null and valid for `count` reads by the caller's contract.
         let fds = unsafe { std::slice::from_raw_parts(fds, count) };
         let dev = cuda(runtime()?.device(device)?)?;
-        let p = dev.import_pages(pid, fds, page_size as u64)?;
+        let p = dev
+            .import_pages(pid, fds, page_size as u64)
+            .map_err(refused)?;
         // SAFETY: non-null and valid for a write by the caller's contract.
         unsafe { put(o_base, p as *mut c_void) };
         Ok(())
@@ -128,6 +139,8 @@ pub extern "C" fn sp_ipc_close(device: c_int, base: *mut c_void) -> sp_status {
         if base.is_null() {
             return Err(Error::null("base"));
         }
-        Ok(cuda(runtime()?.device(device)?)?.close_import(base as u64)?)
+        cuda(runtime()?.device(device)?)?
+            .close_import(base as u64)
+            .map_err(refused)
     })
 }
