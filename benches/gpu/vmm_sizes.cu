@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstdio>
 #include <vector>
+#include <unistd.h>
+#include <cstdlib>
 #define CK(x)                                                                         \
   do {                                                                                \
     CUresult r = (x);                                                                 \
@@ -39,6 +41,10 @@ int main() {
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = 0;
+  // VMM_SHAREABLE=1: pages exportable as POSIX file descriptors, as slotpool makes them where the
+  // device supports it (CUDA IPC of vmm memory); the export of each page is timed too.
+  const bool shareable = getenv("VMM_SHAREABLE") && atoi(getenv("VMM_SHAREABLE")) == 1;
+  if (shareable) prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   CUmemAccessDesc acc = {};
   acc.location = prop.location;
   acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
@@ -46,13 +52,13 @@ int main() {
   const size_t TOTAL = 2ull << 30;  // 2 GiB per chunk size
   CUdeviceptr va;
   CK(cuMemAddressReserve(&va, TOTAL * 2, 0, 0, 0));
-  printf("{\"probe\": \"vmm_sizes\", \"rows\": [\n");
+  printf("{\"probe\": \"vmm_sizes\", \"shareable\": %d, \"rows\": [\n", (int)shareable);
   const size_t mibs[] = {2, 4, 8, 16, 20, 32, 64, 128};
   for (size_t k = 0; k < sizeof(mibs) / sizeof(mibs[0]); k++) {
     size_t chunk = mibs[k] << 20;
     size_t n = TOTAL / chunk;
     std::vector<CUmemGenericAllocationHandle> h(n);
-    std::vector<double> tc, tm, ts, tu;
+    std::vector<double> tc, tm, ts, tu, te;
     auto start = clk::now();
     for (size_t i = 0; i < n; i++) {
       auto a = clk::now();
@@ -67,6 +73,14 @@ int main() {
       ts.push_back(us(c, d));
     }
     auto end = clk::now();
+    for (size_t i = 0; shareable && i < n; i++) {
+      int fd = -1;
+      auto a = clk::now();
+      CK(cuMemExportToShareableHandle(&fd, h[i], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+      te.push_back(us(a, clk::now()));
+      close(fd);
+    }
+    if (te.empty()) te.push_back(0);
     for (size_t i = 0; i < n; i++) {
       auto a = clk::now();
       CK(cuMemUnmap(va + i * chunk, chunk));
@@ -74,8 +88,8 @@ int main() {
       tu.push_back(us(a, clk::now()));
     }
     printf("  {\"chunk_mib\": %zu, \"create_us\": %.1f, \"map_us\": %.1f, \"set_access_us\": %.1f, "
-           "\"unmap_release_us\": %.1f, \"grow_us_per_2mib\": %.2f}%s\n",
-           mibs[k], med(tc), med(tm), med(ts), med(tu), us(start, end) / (TOTAL / G),
+           "\"unmap_release_us\": %.1f, \"grow_us_per_2mib\": %.2f, \"export_us\": %.1f}%s\n",
+           mibs[k], med(tc), med(tm), med(ts), med(tu), us(start, end) / (TOTAL / G), med(te),
            k + 1 < sizeof(mibs) / sizeof(mibs[0]) ? "," : "");
   }
   printf("]}\n");
