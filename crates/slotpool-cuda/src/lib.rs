@@ -21,9 +21,11 @@
 //! (`cuCtxGetCurrent`); if it is not this device's primary context, it makes it current
 //! (`cuCtxSetCurrent`) for the duration of the call and restores the caller's previous context,
 //! including "none", before returning. So the backend never changes which device the CUDA runtime
-//! thinks is current on a thread, and several devices can be used from one thread. No lock is
-//! taken: the driver API is thread-safe, and the only shared mutable state, the peer list of
-//! [`add_peer`](slotpool_core::Device::add_peer), sits behind an `RwLock` read by [`map`](slotpool_core::Device::map).
+//! thinks is current on a thread, and several devices can be used from one thread. The driver API
+//! is thread-safe; the shared mutable state is the peer list of
+//! [`add_peer`](slotpool_core::Device::add_peer), behind an `RwLock` read by
+//! [`map`](slotpool_core::Device::map), and the CUDA IPC bookkeeping (descriptors of exported
+//! pages, ranges mapped from other processes: `ipc.rs`), behind two mutexes that no hot path takes.
 //!
 //! # Capture rule: what is relaxed
 //!
@@ -39,6 +41,7 @@
 //! | [`reserve`](slotpool_core::Device::reserve) | `cuMemAddressReserve` |
 //! | [`create_page`](slotpool_core::Device::create_page) | `cuMemCreate` |
 //! | [`map`](slotpool_core::Device::map) | `cuMemMap`, `cuMemSetAccess` |
+//! | [`CudaDevice::import_pages`] | `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess` |
 //!
 //! Nothing else is relaxed: `free_segment` (`cuMemFree_v2`), `unmap`, `release_page`,
 //! `release_reservation` and the event calls run in the caller's mode, so calling them at an
