@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::ptr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock};
 
 use cudarc::driver::sys::{
@@ -94,7 +95,8 @@ pub struct CudaDevice {
     pub(crate) access: RwLock<Vec<CUmemAccessDesc>>,
     /// Pages are made exportable as POSIX file descriptors (the device supports it), so that
     /// other processes can map them (`ipc.rs`).
-    pub(crate) shareable: bool,
+    /// Cleared if the driver refuses to make such pages after all (`create_page`).
+    pub(crate) shareable: AtomicBool,
     /// File descriptors of exported pages, by page handle: kept open while the page lives, since
     /// a receiver duplicates them (`pidfd_getfd`) whenever it opens the handle; closed by
     /// [`Device::release_page`].
@@ -241,7 +243,7 @@ impl CudaDevice {
             page_size: FALLBACK_PAGE_SIZE,
             vmm,
             access: RwLock::new(vec![access_desc(device)]),
-            shareable,
+            shareable: AtomicBool::new(shareable),
             exported: Mutex::new(HashMap::new()),
             imported: Mutex::new(HashMap::new()),
         };
@@ -540,14 +542,33 @@ impl Device for CudaDevice {
         let bytes = to_usize(self.page_size, "create_page")?;
         let _ctx = self.enter()?;
         let _mode = relaxed()?;
-        let prop = allocation_prop(self.device, self.shareable);
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: `handle` is a valid out-pointer, `prop` is fully initialised and outlives the
-        // call, `bytes` is a multiple of the allocation granularity, and flags must be 0.
-        call("cuMemCreate", || unsafe {
-            sys::cuMemCreate(&mut handle, bytes, &prop, 0)
-        })?;
-        Ok(PageHandle(handle))
+        let shareable = self.shareable.load(Ordering::Relaxed);
+        let create = |shareable: bool| {
+            let prop = allocation_prop(self.device, shareable);
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: `handle` is a valid out-pointer, `prop` is fully initialised and outlives
+            // the call, `bytes` is a multiple of the allocation granularity, and flags must be 0.
+            call("cuMemCreate", || unsafe {
+                sys::cuMemCreate(&mut handle, bytes, &prop, 0)
+            })
+            .map(|()| PageHandle(handle))
+        };
+        match create(shareable) {
+            // A driver (or container) that advertises POSIX handles but will not make them:
+            // plain pages from now on, as before CUDA IPC of vmm memory, if those work.
+            Err(err)
+                if shareable
+                    && !matches!(
+                        err,
+                        DeviceError::OutOfMemory | DeviceError::IllegalDuringCapture(_)
+                    ) =>
+            {
+                let page = create(false).map_err(|_| err)?;
+                self.shareable.store(false, Ordering::Relaxed);
+                Ok(page)
+            }
+            made => made,
+        }
     }
 
     fn release_page(&self, page: PageHandle) -> DeviceResult<()> {

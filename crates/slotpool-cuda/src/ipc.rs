@@ -11,6 +11,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::sync::PoisonError;
+use std::sync::atomic::Ordering;
 
 use cudarc::driver::sys::{self, CUmemAllocationHandleType};
 use slotpool_core::{DeviceError, DevicePtr, DeviceResult, PageHandle};
@@ -73,7 +74,7 @@ impl CudaDevice {
     /// Whether this device's pages can be shared with other processes: the device supports
     /// POSIX file-descriptor handles, so pages are created exportable.
     pub fn shareable(&self) -> bool {
-        self.shareable
+        self.shareable.load(Ordering::Relaxed)
     }
 
     /// A file descriptor of this process for `page` (`cuMemExportToShareableHandle`), made once
@@ -83,7 +84,7 @@ impl CudaDevice {
     /// Errors: [`DeviceError::Unavailable`] when the device's pages are not shareable; the
     /// driver's error otherwise.
     pub fn export_page(&self, page: PageHandle) -> DeviceResult<i32> {
-        if !self.shareable {
+        if !self.shareable() {
             return Err(DeviceError::Unavailable(format!(
                 "device {} cannot export memory as POSIX file descriptors",
                 self.ordinal()
