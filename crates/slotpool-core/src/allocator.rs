@@ -593,14 +593,13 @@ impl<D: Device> Allocator<D> {
                     "{ptr:#x} lies in a classic segment: share it with cudaIpcGetMemHandle"
                 ))));
             };
-            let first = (b.addr - seg.addr) / page_size;
-            let end = (b.addr + b.size - seg.addr).div_ceil(page_size);
-            let pages = pt.handle.get(first as usize..end as usize)?;
-            let pages: Option<Vec<PageHandle>> = pages.iter().copied().collect();
+            let (first, end) = Shard::page_range(page_size, seg.addr, b.addr, b.size);
+            let pages: Option<Vec<PageHandle>> =
+                pt.handle.get(first..end)?.iter().copied().collect();
             Some(Ok(SharedPages {
                 page_size,
                 pages: pages?,
-                offset: b.addr - seg.addr - first * page_size,
+                offset: b.addr - seg.addr - first as u64 * page_size,
             }))
         })
         .flatten()

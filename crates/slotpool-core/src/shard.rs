@@ -894,7 +894,7 @@ impl Shard {
         let SegmentKind::Vmm(pt) = &seg.kind else {
             return false;
         };
-        let (first, end) = Self::page_range(env, seg.addr, b.addr, rounded);
+        let (first, end) = Self::page_range(env.page_size(), seg.addr, b.addr, rounded);
         (first..end).any(|p| !pt.is_mapped(p))
     }
 
@@ -927,8 +927,7 @@ impl Shard {
     // ----------------------------------------------------------------------------------------
     // vmm pages
 
-    pub(crate) fn page_range(env: &Env<'_>, seg_addr: u64, addr: u64, size: u64) -> (usize, usize) {
-        let ps = env.page_size();
+    pub(crate) fn page_range(ps: u64, seg_addr: u64, addr: u64, size: u64) -> (usize, usize) {
         let first = ((addr - seg_addr) / ps) as usize;
         let end = (addr + size - seg_addr).div_ceil(ps) as usize;
         (first, end)
@@ -946,7 +945,7 @@ impl Shard {
     ) {
         let epoch = self.epoch;
         let segment = &mut self.segments[seg];
-        let (first, end) = Self::page_range(env, segment.addr, addr, size);
+        let (first, end) = Self::page_range(env.page_size(), segment.addr, addr, size);
         let SegmentKind::Vmm(pt) = &mut segment.kind else {
             return;
         };
@@ -971,7 +970,7 @@ impl Shard {
     ) -> Result<(), ShardError> {
         let ps = env.page_size();
         let seg_addr = self.segments[seg].addr;
-        let (first, end) = Self::page_range(env, seg_addr, addr, size);
+        let (first, end) = Self::page_range(env.page_size(), seg_addr, addr, size);
         let missing: Vec<usize> = {
             let SegmentKind::Vmm(pt) = &self.segments[seg].kind else {
                 return Ok(());
@@ -1378,7 +1377,7 @@ impl Shard {
     /// segment).
     pub(crate) fn retain_range(&mut self, env: &Env<'_>, seg: SegmentId, addr: u64, size: u64) {
         let segment = &mut self.segments[seg];
-        let (first, end) = Self::page_range(env, segment.addr, addr, size);
+        let (first, end) = Self::page_range(env.page_size(), segment.addr, addr, size);
         Self::retain_pages_of(segment, first, end);
     }
 

@@ -10,6 +10,7 @@
 //! memory stays alive while either side maps it.
 
 use std::ffi::{c_int, c_void};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
 
@@ -25,16 +26,6 @@ const POSIX_FD: CUmemAllocationHandleType =
 /// The calling thread's last OS error, for messages.
 fn os_error(what: &str) -> DeviceError {
     DeviceError::InvalidArgument(format!("{what}: {}", std::io::Error::last_os_error()))
-}
-
-/// A file descriptor of this process, closed on drop.
-struct OwnedFd(c_int);
-
-impl Drop for OwnedFd {
-    fn drop(&mut self) {
-        // SAFETY: the descriptor was opened by this process for this value and is closed once.
-        unsafe { libc::close(self.0) };
-    }
 }
 
 /// What [`CudaDevice::import_pages`] made so far (imported handles, a reservation, its mapped
@@ -119,7 +110,9 @@ impl CudaDevice {
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&page.0);
         if let Some(fd) = fd {
-            drop(OwnedFd(fd));
+            // SAFETY: the descriptor `export_page` got from the driver, owned by this map alone
+            // and just taken out of it: closed once.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
         }
     }
 
@@ -133,7 +126,8 @@ impl CudaDevice {
             .map(|(_, fd)| fd)
             .collect();
         for fd in fds {
-            drop(OwnedFd(fd));
+            // SAFETY: as in `forget_export`: each descriptor was taken out of the map, closed once.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
         }
     }
 
@@ -166,7 +160,8 @@ impl CudaDevice {
         if pidfd < 0 {
             return Err(os_error(&format!("pidfd_open({pid})")));
         }
-        let pidfd = OwnedFd(pidfd as c_int);
+        // SAFETY: a descriptor `pidfd_open` just opened for this call (checked non-negative).
+        let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as c_int) };
         let _ctx = self.enter()?;
         let _mode = relaxed()?;
         let mut made = Imported {
@@ -179,11 +174,13 @@ impl CudaDevice {
         for &remote in fds {
             // SAFETY: `pidfd_getfd` takes a pidfd of this process, a descriptor number of the
             // other process and flags (0); it returns a new descriptor of ours or -1.
-            let local = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.0, remote, 0) };
+            let local =
+                unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), remote, 0) };
             if local < 0 {
                 return Err(os_error(&format!("pidfd_getfd(pid {pid}, fd {remote})")));
             }
-            let local = OwnedFd(local as c_int);
+            // SAFETY: a descriptor `pidfd_getfd` just opened in this process (checked non-negative).
+            let local = unsafe { OwnedFd::from_raw_fd(local as c_int) };
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: `handle` is a valid out-pointer; a POSIX descriptor handle is passed as
             // the descriptor's value in the pointer argument, and `local` stays open for the
@@ -191,7 +188,7 @@ impl CudaDevice {
             call("cuMemImportFromShareableHandle", || unsafe {
                 sys::cuMemImportFromShareableHandle(
                     &mut handle,
-                    local.0 as usize as *mut c_void,
+                    local.as_raw_fd() as usize as *mut c_void,
                     POSIX_FD,
                 )
             })?;
