@@ -12,7 +12,7 @@
 # of expandable-segment memory), host_abi
 # (sp_alloc + sp_free through the .so, simulated device and CUDA, one thread and 16), cpu_probe (the same, pinned to
 # each CPU in turn)
-# Env: TORCH_SCENARIOS, TORCH_TIMEOUT, CHILD_TIMEOUT, CHILD_CPUS (pin torch children, "2-9"),
+# Env: TORCH_SCENARIOS, TORCH_TIMEOUT, CHILD_TIMEOUT, CHILD_CPUS (pin torch children, "2-9"), PRELOAD_CPU,
 # PARITY_WORKLOADS, PARITY_RUNS, PARITY_STEPS, KINDS, SKIP_UNCACHED
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -75,12 +75,34 @@ fi
 if has preload; then
   if nvcc -O2 -std=c++17 -cudart shared benches/gpu/preload_loop.cu -o "$BUILD/preload_loop" \
     >"$OUT/preload_build.log" 2>&1; then
-    run preload_native 300 "$BUILD/preload_loop"
+    # PRELOAD_CPU=n pins every run to CPU n (one process's host cost varies up to 2x with
+    # where it lands otherwise).
+    PIN=(${PRELOAD_CPU:+taskset -c $PRELOAD_CPU})
+    run preload_native 300 "${PIN[@]}" "$BUILD/preload_loop"
     LD_PRELOAD=$LIB/libslotpool_preload.so SLOTPOOL_BACKEND=cuda SLOTPOOL_LOG=info \
-      run preload_slotpool 300 "$BUILD/preload_loop"
-    for f in preload_native preload_slotpool; do
+      run preload_slotpool 300 "${PIN[@]}" "$BUILD/preload_loop"
+    # Without SLOTPOOL_LOG: the log's byte counts cost a lookup per free. With a previous build
+    # of the library in .gpu (libslotpool_preload_prev.so), the two alternate, twice each.
+    runs=(preload_native preload_slotpool)
+    for r in 1 2; do
+      if [ -f "$LIB/libslotpool_preload_prev.so" ]; then
+        LD_PRELOAD=$LIB/libslotpool_preload_prev.so SLOTPOOL_BACKEND=cuda \
+          run preload_prev_quiet$r 300 "${PIN[@]}" "$BUILD/preload_loop"
+        runs+=(preload_prev_quiet$r)
+      fi
+      LD_PRELOAD=$LIB/libslotpool_preload.so SLOTPOOL_BACKEND=cuda \
+        run preload_slotpool_quiet$r 300 "${PIN[@]}" "$BUILD/preload_loop"
+      runs+=(preload_slotpool_quiet$r)
+    done
+    for f in "${runs[@]}"; do
       grep '^{' "$OUT/$f.log" | sed "s/^{/{\"step\": \"$f\", /" >>"$RES"
     done
+    # What the runtime and driver calls made on every intercepted allocation cost here.
+    if nvcc -O2 -std=c++17 -cudart shared benches/gpu/runtime_calls.cu -o "$BUILD/runtime_calls" \
+      -lcuda >>"$OUT/preload_build.log" 2>&1; then
+      run runtime_calls 120 "${PIN[@]}" "$BUILD/runtime_calls"
+      grep '^{' "$OUT/runtime_calls.log" | sed 's/^{/{"step": "runtime_calls", /' >>"$RES"
+    fi
   else
     note preload "\"build\": false"
     tail -n 30 "$OUT/preload_build.log"

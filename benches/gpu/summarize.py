@@ -17,8 +17,12 @@ for r in res:
     if r.get("step") == "gpu_suite" and "test" in r:
         extra = {k: v for k, v in r.items() if k not in ("step", "test", "ok")}
         row(f"gpu_suite/{r['test']}", "ok" if r.get("ok", True) else "FAIL", json.dumps(extra)[:90])
-    elif r.get("step") in ("preload_native", "preload_slotpool") and "size" in r:
-        row(f"{r['step']}/{r['size']}", f"{r.get('ns_per_pair', '?')} ns/pair")
+    elif r.get("step", "").startswith("preload_") and "size" in r:
+        api = "async" if "Async" in r.get("api", "") else "sync"
+        row(f"{r['step']}/{api}/{r['size']}", f"{r.get('ns_per_pair', '?')} ns/pair",
+            f"batch {r.get('ns_per_pair_batch', '?')} ns/pair")
+    elif r.get("step") == "runtime_calls" and "call" in r:
+        row(f"runtime_calls/{r['call']}", f"{r['ns']} ns")
     elif r.get("step") == "torch" and "scenario" in r:
         row(f"torch/{r['scenario']}", "ok" if r.get("ok") else "FAIL", json.dumps({k: v for k, v in r.items() if k not in ('step', 'scenario', 'ok')})[:90])
     elif "rc" in r and r.get("rc") != 0:

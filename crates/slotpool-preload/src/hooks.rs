@@ -58,6 +58,8 @@ fn guard(
 const MAX_DEVICES: usize = 64;
 /// `CUcontext` of each device's primary context, 0 until first needed.
 static PRIMARY: [AtomicUsize; MAX_DEVICES] = [const { AtomicUsize::new(0) }; MAX_DEVICES];
+/// One more than the highest device whose primary context is in [`PRIMARY`].
+static PRIMARY_END: AtomicUsize = AtomicUsize::new(0);
 
 /// The primary context of `device` (retained once for the life of the process, as slotpool's
 /// CUDA backend does anyway).
@@ -75,7 +77,10 @@ fn primary_context(device: c_int) -> Option<usize> {
         return None;
     }
     match slot.compare_exchange(0, ctx as usize, Ordering::AcqRel, Ordering::Acquire) {
-        Ok(_) => Some(ctx as usize),
+        Ok(_) => {
+            PRIMARY_END.fetch_max(device as usize + 1, Ordering::AcqRel);
+            Some(ctx as usize)
+        }
         Err(other) => {
             // Another thread retained it first: give back our extra reference.
             if let Some(release) = real::cu_device_primary_ctx_release() {
@@ -103,10 +108,36 @@ fn primary_context_current(device: c_int) -> bool {
     current.is_null() || primary_context(device) == Some(current as usize)
 }
 
+/// The device whose primary context is current on this thread, if it is one slotpool has
+/// already seen: one `cuCtxGetCurrent` (8 ns on the H200 host) where `cudaGetDevice` and
+/// `cuCtxGetCurrent` together cost 53 ns (`benches/gpu/runtime_calls.cu`). With a primary
+/// context current, the runtime's current device is that context's device. `None`: ask the slow
+/// way (no context yet, a device not seen yet, or a context of the program's own).
+#[inline]
+fn current_primary_device() -> Option<c_int> {
+    let get_current = real::cu_ctx_get_current()?;
+    let mut current: real::Context = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    if unsafe { get_current(&mut current) } != CUDA_SUCCESS || current.is_null() {
+        return None;
+    }
+    let end = PRIMARY_END.load(Ordering::Acquire);
+    PRIMARY[..end.min(MAX_DEVICES)]
+        .iter()
+        .position(|slot| slot.load(Ordering::Relaxed) == current as usize)
+        .and_then(|d| c_int::try_from(d).ok())
+}
+
 /// The device a runtime-API allocation on `stream` is for: the stream's device for a created
 /// stream, else the current device. `None`: pass through. On the simulated backend an unknown
 /// device is device 0 (there may be no driver at all).
 fn runtime_device(sp: &Slotpool, stream: u64) -> Option<c_int> {
+    if !sp.sim
+        && is_default_stream(stream)
+        && let Some(device) = current_primary_device()
+    {
+        return Some(device);
+    }
     let mut device: c_int = 0;
     let known = if is_default_stream(stream) {
         // SAFETY: a valid out-pointer.
@@ -127,6 +158,11 @@ fn runtime_device(sp: &Slotpool, stream: u64) -> Option<c_int> {
 
 /// The device of the current context, for a driver-API allocation. `None`: pass through.
 fn driver_device(sp: &Slotpool) -> Option<c_int> {
+    if !sp.sim
+        && let Some(device) = current_primary_device()
+    {
+        return Some(device);
+    }
     let mut device: c_int = 0;
     // SAFETY: a valid out-pointer.
     let known =
