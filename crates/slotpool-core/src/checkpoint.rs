@@ -18,7 +18,7 @@ use std::sync::{Arc, Weak};
 use crate::block::{Block, BlockId, BlockState, SegmentId, SegmentKind, StreamUses};
 use crate::device::{DevicePtr, StreamId};
 use crate::env::Env;
-use crate::free_index::{FreeIndex, FreeKey};
+use crate::free_index::IndexMark;
 use crate::pool::PoolId;
 use crate::shard::{Shard, ShardError};
 
@@ -121,8 +121,6 @@ struct Scratch {
     pages: Vec<(SegmentId, usize)>,
     live_in: Vec<(DevicePtr, BlockId)>,
     live_out: Vec<DevicePtr>,
-    keys: [Vec<FreeKey>; 2],
-    key_tmp: Vec<FreeKey>,
 }
 
 /// Which blocks a pass has seen, and a value for each, indexed by block id: a generation count
@@ -155,12 +153,6 @@ impl Seen {
         }
         *slot = (self.generation, v);
         true
-    }
-
-    /// Set the value of `id`, which this generation has seen.
-    fn set(&mut self, id: BlockId, v: u32) {
-        debug_assert_eq!(self.slots[id].0, self.generation);
-        self.slots[id].1 = v;
     }
 
     fn get(&self, id: BlockId) -> Option<u32> {
@@ -430,6 +422,10 @@ pub(crate) struct Mark {
     pub pos: usize,
     pub token: u64,
     pub alive: Weak<CheckpointToken>,
+    /// The free indexes' places (large, small): they journal themselves (`crate::paged`).
+    pub index: [IndexMark; 2],
+    /// Segments that existed, sorted: the free indexes at the mark know nothing of the others.
+    pub segments: Arc<[SegmentId]>,
 }
 
 /// A pool's state at one moment: segments, how they are split, and which blocks are live.
@@ -525,8 +521,9 @@ pub(crate) struct Plan {
     images: Vec<(BlockId, u32)>,
     /// Ranges that blocks changed by the restore need mapped: (segment, address, size).
     to_map: Vec<(SegmentId, DevicePtr, u64)>,
-    /// Free-index entries the restore takes out and puts in (to choose a bulk rebuild).
-    index_churn: usize,
+    /// The free indexes at the checkpoint (large, small), the segments that existed then, and
+    /// whether marks were placed after it; `None`: empty (the shard is newer).
+    index: Option<([IndexMark; 2], Arc<[SegmentId]>, bool)>,
     /// Segments added since: each becomes one free block.
     reset_segments: Vec<SegmentId>,
     /// First blocks of segments that a restore reset since: (segment, first block then).
@@ -662,15 +659,6 @@ fn radix_sort<T: Copy>(v: &mut Vec<T>, tmp: &mut Vec<T>, bits: u32, key: impl Fn
     }
 }
 
-/// Free-index changes collected for a rebuild, by `small`.
-#[derive(Debug, Default)]
-struct Rebuild {
-    keys: [Vec<FreeKey>; 2],
-    touched: [bool; 2],
-    /// Entries taken out of each index.
-    taken: [usize; 2],
-}
-
 /// Bits needed for `x`.
 fn bits(x: u64) -> u32 {
     64 - x.leading_zeros()
@@ -691,29 +679,6 @@ fn sort_by_addr(v: &mut Vec<(DevicePtr, u64)>, tmp: &mut Vec<(DevicePtr, u64)>) 
     });
 }
 
-/// Sort free-index keys (size, address, id) by size and address (addresses are unique).
-fn sort_free_keys(v: &mut Vec<FreeKey>, tmp: &mut Vec<FreeKey>) {
-    let mut any = 0;
-    let (mut lo, mut hi, mut big) = (u64::MAX, 0, 0);
-    for &(size, addr, _) in v.iter() {
-        any |= size | addr;
-        lo = lo.min(addr);
-        hi = hi.max(addr);
-        big = big.max(size);
-    }
-    // Sizes and addresses are multiples of 512: drop the zero bits they share.
-    let zeros = any.trailing_zeros().min(63);
-    let abits = bits((hi.saturating_sub(lo)) >> zeros);
-    let sbits = bits(big >> zeros);
-    if abits + sbits > 64 {
-        v.sort_unstable();
-        return;
-    }
-    radix_sort(v, tmp, abits + sbits, |&(size, addr, _)| {
-        ((size >> zeros) << abits) | ((addr - lo) >> zeros)
-    });
-}
-
 impl Shard {
     /// Place a checkpoint mark; refused while frees wait on cross-stream events.
     pub(crate) fn add_mark(&mut self, token: &Arc<CheckpointToken>) -> Result<usize, String> {
@@ -728,10 +693,15 @@ impl Shard {
         let pos = self.journal.len();
         self.journal.new_window();
         self.blocks.seal();
+        let index = [self.free_large.mark(), self.free_small.mark()];
+        let mut segments: Vec<SegmentId> = self.segments.iter().map(|(s, _)| s).collect();
+        segments.sort_unstable();
         self.marks.push(Mark {
             pos,
             token: token.id,
             alive: Arc::downgrade(token),
+            index,
+            segments: segments.into(),
         });
         self.blocks.set_hold(true);
         Ok(pos)
@@ -747,9 +717,10 @@ impl Shard {
         }
     }
 
-    /// Undo entries kept for the live checkpoints.
+    /// Undo entries kept for the live checkpoints: block entries, and free-index leaves and
+    /// directories.
     pub fn journal_len(&self) -> usize {
-        self.journal.len()
+        self.journal.len() + self.free_large.log_len() + self.free_small.log_len()
     }
 
     /// Forget marks whose checkpoints were dropped; with none left, stop journaling.
@@ -761,6 +732,12 @@ impl Shard {
 
     pub(crate) fn prune_marks(&mut self) {
         self.marks.retain(|m| m.alive.strong_count() > 0);
+        // Marks are in the order they were placed: the first is the oldest.
+        if let Some(first) = self.marks.first() {
+            let [large, small] = first.index;
+            self.free_large.forget_before(large);
+            self.free_small.forget_before(small);
+        }
         if let Some(oldest) = self.marks.iter().map(|m| m.pos).min() {
             if oldest > 0 && self.marks.iter().all(|m| m.pos >= oldest) {
                 self.journal.drain_front(oldest);
@@ -771,6 +748,8 @@ impl Shard {
         } else {
             self.journal.clear();
             self.blocks.set_hold(false);
+            self.free_large.forget_all();
+            self.free_small.forget_all();
         }
     }
 
@@ -801,14 +780,20 @@ impl Shard {
         then.clear();
         match mark {
             Some((pos, token)) => {
-                if !self.marks.iter().any(|m| m.pos == pos && m.token == token) {
+                let Some(k) = self
+                    .marks
+                    .iter()
+                    .position(|m| m.pos == pos && m.token == token)
+                else {
                     diff.mismatches.push(format!(
                         "stream {}: the checkpoint's mark is gone from this shard",
                         self.stream
                     ));
                     return plan;
-                }
+                };
+                let m = &self.marks[k];
                 plan.pos = Some(pos);
+                plan.index = Some((m.index, m.segments.clone(), k + 1 < self.marks.len()));
                 seen.begin();
                 // Oldest first: the first entry of a block is its state at the checkpoint.
                 for e in &self.journal.entries[pos..] {
@@ -909,13 +894,13 @@ impl Shard {
         }
         if let Some(n) = n {
             match n.state {
-                BlockState::Free => plan.index_churn += 1,
+                BlockState::Free => {}
                 _ => now.push((n.addr, n.size)),
             }
         }
         if let Some(t) = t {
             match t.state {
-                BlockState::Free => plan.index_churn += 1,
+                BlockState::Free => {}
                 BlockState::Allocated => then.push((t.addr, t.size)),
                 // No block is cached while a checkpoint is alive (shard invariant 9).
                 BlockState::PendingFree | BlockState::Cached => {}
@@ -959,19 +944,10 @@ impl Shard {
             Some(pos) => self.marks.iter().any(|m| m.pos > pos),
             None => !self.marks.is_empty(),
         };
-        // Many free-index changes: rebuild the index from sorted keys instead of one B-tree
-        // update per block (which costs about what rebuilding eight entries does).
-        let indexed = self.free_small.len() + self.free_large.len();
-        let bulk = plan.index_churn >= 64 && plan.index_churn * 8 >= indexed;
         let sc = self.journal.scratch.get_mut();
         let mut w = Work {
             out: Tally::default(),
             put: Tally::default(),
-            rebuild: bulk.then(|| Rebuild {
-                keys: std::mem::take(&mut sc.keys),
-                touched: [false; 2],
-                taken: [0; 2],
-            }),
             pages: PageWork::new(env.page_size(), std::mem::take(&mut sc.pages)),
             live_out: std::mem::take(&mut sc.live_out),
             live_in: std::mem::take(&mut sc.live_in),
@@ -1053,7 +1029,6 @@ impl Shard {
         let Work {
             out,
             put,
-            rebuild,
             mut pages,
             mut live_out,
             mut live_in,
@@ -1074,15 +1049,22 @@ impl Shard {
         out.apply(self, env, -1);
         put.apply(self, env, 1);
         self.settle_pages(&mut pages);
-        if let Some(mut r) = rebuild {
-            for small in [false, true] {
-                let s = small as usize;
-                if r.touched[s] {
-                    self.rebuild_index(small, &mut r.keys[s], r.taken[s]);
-                }
-                r.keys[s].clear();
+        // The free indexes go back whole: their leaves changed since the mark move back, a
+        // pointer each (or, with later marks to keep, are copied back and logged).
+        match &plan.index {
+            // By placement, not by block-journal position: a later mark can share its block
+            // position with this one (nothing journaled in between) while the indexes logged
+            // changes between them (a reset segment's block, indexed by a restore that cut the
+            // block journal).
+            Some(([large, small], then, later)) => {
+                self.free_large.restore(*large, *later);
+                self.free_small.restore(*small, *later);
+                self.index_new_segments(then, &plan.reset_segments);
             }
-            self.journal.scratch.get_mut().keys = r.keys;
+            None => {
+                self.free_large.clear();
+                self.free_small.clear();
+            }
         }
         for id in fresh {
             self.index_insert(id);
@@ -1123,6 +1105,33 @@ impl Shard {
         self.prune_marks();
     }
 
+    /// Index the free block of each segment added since the mark that is not being reset (the
+    /// index at the mark has none of them). A segment whose addition the journal no longer
+    /// names was reset by an earlier restore that cut the journal: it is one free block now,
+    /// or the restore just put it back to one.
+    fn index_new_segments(&mut self, then: &[SegmentId], reset: &[SegmentId]) {
+        let new: Vec<BlockId> = self
+            .segments
+            .iter()
+            .filter(|(s, seg)| {
+                then.binary_search(s).is_err()
+                    && !reset.contains(s)
+                    && seg.free_tail != Some(seg.first)
+            })
+            .map(|(_, seg)| seg.first)
+            .collect();
+        for id in new {
+            let b = &self.blocks[id];
+            debug_assert!(
+                b.state == BlockState::Free && b.next().is_none(),
+                "a new segment in use"
+            );
+            let key = (b.size, b.addr, id);
+            let small = self.segments[b.segment].small;
+            self.index_mut(small).insert(key);
+        }
+    }
+
     /// Take block `id`'s share out: statistics, page counts, and its free-index or live-map
     /// entry.
     fn take_out(&mut self, env: &Env<'_>, id: BlockId, b: BlockShare, w: &mut Work) {
@@ -1161,8 +1170,8 @@ impl Shard {
         }
     }
 
-    /// `index_remove` for a restore: statistics go to the tally, and with a rebuild coming the
-    /// entry is only marked.
+    /// `index_remove` for a restore: statistics go to the tally; the free index itself is put
+    /// back whole at the end ([`crate::free_index::FreeIndex::restore`]).
     fn unindex(&mut self, id: BlockId, b: BlockShare, w: &mut Work) {
         let small = self.segments[b.segment].small;
         if self.is_inactive_split(id) {
@@ -1172,23 +1181,11 @@ impl Shard {
         let seg = &mut self.segments[b.segment];
         if seg.free_tail == Some(id) {
             seg.free_tail = None;
-            return;
-        }
-        match &mut w.rebuild {
-            Some(r) => {
-                r.touched[small as usize] = true;
-                r.taken[small as usize] += 1;
-                self.journal.scratch.get_mut().seen.set(id, TAKEN_OUT);
-            }
-            None => {
-                let removed = self.index_mut(small).remove(&(b.size, b.addr, id));
-                debug_assert!(removed, "free block missing from the index");
-            }
         }
     }
 
     /// `index_insert` for a restored block: statistics go to the tally, a segment's free tail is
-    /// set at the end of the pass, and with a rebuild coming the entry is collected.
+    /// set at the end of the pass (the free index is put back whole).
     fn reindex(&mut self, id: BlockId, b: BlockShare, w: &mut Work) {
         let small = self.segments[b.segment].small;
         if self.is_inactive_split(id) {
@@ -1197,16 +1194,6 @@ impl Shard {
         }
         if self.is_vmm_tail(id) {
             w.tails.push(id);
-            return;
-        }
-        match &mut w.rebuild {
-            Some(r) => {
-                r.touched[small as usize] = true;
-                r.keys[small as usize].push((b.size, b.addr, id));
-            }
-            None => {
-                self.index_mut(small).insert((b.size, b.addr, id));
-            }
         }
     }
 
@@ -1258,52 +1245,13 @@ impl Shard {
         w.retained = (seg, first, end);
         Self::retain_pages_of(segment, first, end);
     }
-
-    /// Rebuild a free index from its entries that were not taken out and the new `keys`.
-    fn rebuild_index(&mut self, small: bool, keys: &mut Vec<FreeKey>, taken: usize) {
-        let old = std::mem::take(self.index_mut(small));
-        let sc = self.journal.scratch.get_mut();
-        sort_free_keys(keys, &mut sc.key_tmp);
-        if taken == old.len() {
-            // Nothing of the old index stays.
-            *self.index_mut(small) = FreeIndex::from_sorted(keys);
-            keys.clear();
-            return;
-        }
-        let seen = &sc.seen;
-        let mut kept = old
-            .into_iter()
-            .filter(|&(_, _, id)| seen.get(id) != Some(TAKEN_OUT));
-        // The merge goes into a kept buffer: a fresh one of this size page-faults on every
-        // restore.
-        let merged = &mut sc.key_tmp;
-        merged.clear();
-        let mut next = kept.next();
-        for &k in keys.iter() {
-            while let Some(o) = next.filter(|&o| o < k) {
-                merged.push(o);
-                next = kept.next();
-            }
-            merged.push(k);
-        }
-        merged.extend(next);
-        merged.extend(kept);
-        let index = FreeIndex::from_sorted(merged);
-        merged.clear();
-        *self.index_mut(small) = index;
-    }
 }
-
-/// A plan image index that marks a block whose free-index entry a rebuild drops.
-const TAKEN_OUT: u32 = u32::MAX;
 
 /// What a restore's apply step collects on its way.
 #[derive(Debug)]
 struct Work {
     out: Tally,
     put: Tally,
-    /// Free-index changes when the index is rebuilt in bulk.
-    rebuild: Option<Rebuild>,
     pages: PageWork,
     /// Live-map entries to drop, then to add: (address, block).
     live_out: Vec<DevicePtr>,
@@ -1675,5 +1623,47 @@ mod tests {
         a.restore(POOL, &cp, &kept).unwrap();
         a.check_invariants().unwrap();
         assert_eq!(blocks(&a), at_cp);
+    }
+
+    /// The model test's case: a restore that cut the block journal reset a new segment, a
+    /// checkpoint followed at the same journal position, and a restore of the older one had to
+    /// keep the free indexes' changes in between (the later mark is later by placement, though
+    /// not by position); restoring the later one then gives back its index.
+    #[test]
+    fn a_later_mark_at_the_same_journal_position_keeps_its_index() {
+        for growth in [GrowthMode::Classic, GrowthMode::Vmm] {
+            let a = Allocator::new(
+                Dev::new(),
+                Config {
+                    growth,
+                    ..Config::default()
+                },
+            );
+            a.create_or_incref_pool(POOL, PoolOptions::default())
+                .unwrap();
+            let _cp0 = a.checkpoint(POOL).unwrap();
+            a.alloc_in(POOL, (1 << 20) + 1, 0).unwrap();
+            let cp1 = a.checkpoint(POOL).unwrap();
+            a.alloc_in(POOL, 1, 0).unwrap();
+            a.restore(POOL, &cp1, &[]).unwrap();
+            let cp2 = a.checkpoint(POOL).unwrap();
+            let at_cp2 = blocks(&a);
+            a.restore(POOL, &cp1, &[]).unwrap();
+            a.check_invariants().unwrap();
+            a.alloc_in(POOL, 1, 0).unwrap();
+            a.restore(POOL, &cp2, &[]).unwrap();
+            a.check_invariants().unwrap();
+            assert_eq!(blocks(&a), at_cp2, "{growth:?}");
+            // The index answers as at cp2: the small segment's one free block serves again.
+            let p = a.alloc_in(POOL, 1, 0).unwrap();
+            a.check_invariants().unwrap();
+            let was = format!("block {p:#x}+");
+            assert!(
+                at_cp2
+                    .iter()
+                    .any(|l| l.contains(&was) && l.contains(" Free ")),
+                "{growth:?}: {p:#x} in {at_cp2:?}"
+            );
+        }
     }
 }

@@ -30,6 +30,7 @@ pub mod error;
 mod free_index;
 pub mod history;
 pub mod id_slab;
+mod paged;
 pub mod peak;
 pub mod peer;
 pub mod policy;
