@@ -10,6 +10,8 @@ Measures, in one process, ns per (alloc, free) for:
   cudamalloc - raw cudaMalloc/cudaFree (uncached; fewer iterations)
 Patterns: 'same' (one size repeatedly), 'mixed' (random sizes 512 B..64 MiB, up to 64 live, random frees),
 and multithreaded 'same' with T threads (each thread its own stream for async; default stream for native).
+Env: KINDS (0,1,3), ALLOC_BENCH_REPS (5), ALLOC_BENCH_ONLY=mixed (the mixed pattern alone, to compare
+two builds of libslotpool.so quickly), OUT.
 """
 import os, sys, json, time
 import torch
@@ -151,7 +153,8 @@ for kind in kinds:
     # slotpool's pairs are ~30x cheaper: more of them, so that each run lasts as long.
     it = {2: 2000, 3: 2000000}.get(kind, 200000)
     reps = REPS if kind == 3 else 3
-    for size in (4096, 1 << 20, 64 << 20):
+    # ALLOC_BENCH_ONLY=mixed: the mixed-size pattern alone (to compare two builds quickly).
+    for size in (4096, 1 << 20, 64 << 20) if os.environ.get("ALLOC_BENCH_ONLY") != "mixed" else ():
         for threads in ((1, 4, 16) if kind != 2 else (1,)):
             # The median of `reps` runs (the host's speed drifts between runs).
             vals = [m.bench_same(kind, it // max(1, threads // 4), size, threads, 0) for _ in range(reps)]
@@ -170,7 +173,7 @@ for kind in kinds:
         print(names[kind], "mixed64", f"{sorted(vals)[1]:.1f} ns/pair", [round(v,1) for v in vals], flush=True)
 # python-level torch.empty for reference
 x = None
-for sz in (4096, 1 << 20):
+for sz in (4096, 1 << 20) if os.environ.get("ALLOC_BENCH_ONLY") != "mixed" else ():
     n = 100000
     t = time.perf_counter()
     for _ in range(n):

@@ -153,6 +153,20 @@ if has host_restore && [ -x "$LIB/checkpoint_bench_sim" ]; then
   # measured (../shared/traces/README.md: restore 32,104 us at 10,000 live blocks).
   run host_restore 300 "$LIB/checkpoint_bench_sim" --bench --noplot --warm-up-time 1 \
     --measurement-time 3
+  # A previous build's bench beside it (.gpu/checkpoint_bench_sim_prev), alternated: before and
+  # after on one host in one call.
+  if [ -x "$LIB/checkpoint_bench_sim_prev" ]; then
+    for r in 1 2; do
+      run host_restore_prev$r 300 "$LIB/checkpoint_bench_sim_prev" --bench --noplot \
+        --warm-up-time 1 --measurement-time 3 half_changed
+      run host_restore_new$r 300 "$LIB/checkpoint_bench_sim" --bench --noplot \
+        --warm-up-time 1 --measurement-time 3 half_changed
+    done
+  fi
+  for f in "$OUT"/host_restore*.log; do
+    echo "-- $(basename "$f" .log)"
+    grep -E "^checkpoint/|time:" "$f" | paste - - | awk '{print $1, $5, $6}'
+  done
 fi
 
 if has host_abi; then
