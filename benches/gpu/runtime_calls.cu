@@ -53,6 +53,11 @@ int main() {
         cudaStreamGetDevice(s, &d);
         sink = sink + d;
     });
+    time_it("cuStreamGetCtx", [&] {
+        CUcontext c;
+        cuStreamGetCtx(s, &c);
+        sink = sink + (c != nullptr);
+    });
     time_it("cudaGetDevice+cuCtxGetCurrent", [&] {
         int d;
         CUcontext c;

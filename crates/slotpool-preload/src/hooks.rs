@@ -108,9 +108,19 @@ fn primary_context_current(device: c_int) -> bool {
     current.is_null() || primary_context(device) == Some(current as usize)
 }
 
+/// The device whose primary context is `ctx`, if slotpool has seen it.
+#[inline]
+fn primary_device_of(ctx: usize) -> Option<c_int> {
+    let end = PRIMARY_END.load(Ordering::Acquire);
+    PRIMARY[..end.min(MAX_DEVICES)]
+        .iter()
+        .position(|slot| slot.load(Ordering::Relaxed) == ctx)
+        .and_then(|d| c_int::try_from(d).ok())
+}
+
 /// The device whose primary context is current on this thread, if it is one slotpool has
-/// already seen: one `cuCtxGetCurrent` (8 ns on the H200 host) where `cudaGetDevice` and
-/// `cuCtxGetCurrent` together cost 53 ns (`benches/gpu/runtime_calls.cu`). With a primary
+/// already seen: one `cuCtxGetCurrent` (14 ns on the H200 host) where `cudaGetDevice` and
+/// `cuCtxGetCurrent` together cost 74 ns (`benches/gpu/runtime_calls.cu`). With a primary
 /// context current, the runtime's current device is that context's device. `None`: ask the slow
 /// way (no context yet, a device not seen yet, or a context of the program's own).
 #[inline]
@@ -121,22 +131,44 @@ fn current_primary_device() -> Option<c_int> {
     if unsafe { get_current(&mut current) } != CUDA_SUCCESS || current.is_null() {
         return None;
     }
-    let end = PRIMARY_END.load(Ordering::Acquire);
-    PRIMARY[..end.min(MAX_DEVICES)]
-        .iter()
-        .position(|slot| slot.load(Ordering::Relaxed) == current as usize)
-        .and_then(|d| c_int::try_from(d).ok())
+    primary_device_of(current as usize)
+}
+
+/// The device of created stream `stream`, if the stream belongs to a primary context slotpool
+/// has seen and the thread's current context is that one or none (what the slow way checks
+/// too): `cuStreamGetCtx` and `cuCtxGetCurrent` where `cudaStreamGetDevice` and
+/// `cuCtxGetCurrent` cost 88 ns. `None`: ask the slow way.
+#[inline]
+fn stream_primary_device(stream: u64) -> Option<c_int> {
+    let get_ctx = real::cu_stream_get_ctx()?;
+    let mut ctx: real::Context = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; the driver checks the stream handle.
+    if unsafe { get_ctx(stream as usize as Stream, &mut ctx) } != CUDA_SUCCESS || ctx.is_null() {
+        return None;
+    }
+    let device = primary_device_of(ctx as usize)?;
+    let get_current = real::cu_ctx_get_current()?;
+    let mut current: real::Context = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    if unsafe { get_current(&mut current) } != CUDA_SUCCESS {
+        return None;
+    }
+    (current.is_null() || current == ctx).then_some(device)
 }
 
 /// The device a runtime-API allocation on `stream` is for: the stream's device for a created
 /// stream, else the current device. `None`: pass through. On the simulated backend an unknown
 /// device is device 0 (there may be no driver at all).
 fn runtime_device(sp: &Slotpool, stream: u64) -> Option<c_int> {
-    if !sp.sim
-        && is_default_stream(stream)
-        && let Some(device) = current_primary_device()
-    {
-        return Some(device);
+    if !sp.sim {
+        let fast = if is_default_stream(stream) {
+            current_primary_device()
+        } else {
+            stream_primary_device(stream)
+        };
+        if let Some(device) = fast {
+            return Some(device);
+        }
     }
     let mut device: c_int = 0;
     let known = if is_default_stream(stream) {

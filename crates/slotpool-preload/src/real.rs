@@ -136,6 +136,9 @@ real_fns! {
     /// `CUresult cuCtxGetCurrent(CUcontext* pctx)`.
     fn cu_ctx_get_current: Driver c"cuCtxGetCurrent" =>
         unsafe extern "C" fn(*mut Context) -> c_int;
+    /// `CUresult cuStreamGetCtx(CUstream hStream, CUcontext* pctx)`.
+    fn cu_stream_get_ctx: Driver c"cuStreamGetCtx" =>
+        unsafe extern "C" fn(Stream, *mut Context) -> c_int;
     /// `CUresult cuDevicePrimaryCtxRetain(CUcontext* pctx, CUdevice dev)`.
     fn cu_device_primary_ctx_retain: Driver c"cuDevicePrimaryCtxRetain" =>
         unsafe extern "C" fn(*mut Context, c_int) -> c_int;
