@@ -1420,8 +1420,8 @@ mod tests {
 
     type Live = BTreeSet<(DevicePtr, u64)>;
 
-    /// `2 * N` allocations of which every second one is freed again: N live blocks, N holes.
-    fn holes(growth: GrowthMode) -> (Allocator<Dev>, Live) {
+    /// An allocator in `growth` mode with [`POOL`] created.
+    fn with_pool(growth: GrowthMode) -> Allocator<Dev> {
         let a = Allocator::new(
             Dev::new(),
             Config {
@@ -1431,6 +1431,12 @@ mod tests {
         );
         a.create_or_incref_pool(POOL, PoolOptions::default())
             .unwrap();
+        a
+    }
+
+    /// `2 * N` allocations of which every second one is freed again: N live blocks, N holes.
+    fn holes(growth: GrowthMode) -> (Allocator<Dev>, Live) {
+        let a = with_pool(growth);
         let all: Vec<(DevicePtr, u64)> = (0..2 * N as u64)
             .map(|i| 512 * (1 + (i * 7) % 64))
             .map(|size| (a.alloc_in(POOL, size, 0).unwrap(), size))
@@ -1555,15 +1561,7 @@ mod tests {
         for growth in [GrowthMode::Classic, GrowthMode::Vmm] {
             for freed in 0..3 {
                 for order in [[0, 1], [1, 0], [1, 1], [0, 0]] {
-                    let a = Allocator::new(
-                        Dev::new(),
-                        Config {
-                            growth,
-                            ..Config::default()
-                        },
-                    );
-                    a.create_or_incref_pool(POOL, PoolOptions::default())
-                        .unwrap();
+                    let a = with_pool(growth);
                     let mut live = vec![
                         a.alloc_in(POOL, 1, 0).unwrap(),
                         a.alloc_in(POOL, (1 << 20) + 1, 0).unwrap(),
@@ -1632,15 +1630,7 @@ mod tests {
     #[test]
     fn a_later_mark_at_the_same_journal_position_keeps_its_index() {
         for growth in [GrowthMode::Classic, GrowthMode::Vmm] {
-            let a = Allocator::new(
-                Dev::new(),
-                Config {
-                    growth,
-                    ..Config::default()
-                },
-            );
-            a.create_or_incref_pool(POOL, PoolOptions::default())
-                .unwrap();
+            let a = with_pool(growth);
             let _cp0 = a.checkpoint(POOL).unwrap();
             a.alloc_in(POOL, (1 << 20) + 1, 0).unwrap();
             let cp1 = a.checkpoint(POOL).unwrap();

@@ -495,6 +495,9 @@ impl FreeIndex {
         self.leaves
             .check()
             .map_err(|e| format!("3: free-index leaves: {e}"))?;
+        self.meta
+            .check()
+            .map_err(|e| format!("3: free-index directory: {e}"))?;
         let meta = self.meta();
         let count = meta.leaves.len();
         if meta.sep_size.len() != count

@@ -1,5 +1,6 @@
-//! `Paged<T, P>`: a vector kept in pages of `P` elements that journals itself page by page: the
-//! copy-on-write storage under the free index (see "Checkpoint / restore" in `docs/design.md`).
+//! `Paged<T, P>`: a vector kept in pages of `P` elements that journals itself page by page, and
+//! `Logged<T>`: one value that journals itself whole; the copy-on-write storage under the free
+//! index (see "Checkpoint / restore" in `docs/design.md`).
 //!
 //! While a mark is open, the first change to a page in a *window* moves the page into the log
 //! and carries on in a copy. Restoring a mark moves the logged pages back: it costs a pointer per
@@ -19,25 +20,91 @@ pub(crate) struct PagedMark {
     len: usize,
 }
 
+/// The log and the window clock that [`Paged`] and [`Logged`] share.
+#[derive(Clone, Debug)]
+struct Log<E> {
+    entries: Vec<E>,
+    /// Position of `entries[0]` (see [`PagedMark::pos`]).
+    base: u64,
+    /// The window changes are logged in; 0 while no mark is open (nothing is logged).
+    window: u64,
+    /// The last window opened (windows are never reused, so an old stamp never matches).
+    opened: u64,
+}
+
+impl<E> Default for Log<E> {
+    fn default() -> Self {
+        Log {
+            entries: Vec::new(),
+            base: 0,
+            window: 0,
+            opened: 0,
+        }
+    }
+}
+
+impl<E> Log<E> {
+    /// Whether something last logged in window `stamp` must be logged before it changes.
+    #[inline]
+    fn due(&self, stamp: u64) -> bool {
+        self.window != 0 && stamp != self.window
+    }
+
+    fn open_window(&mut self) {
+        self.opened += 1;
+        self.window = self.opened;
+    }
+
+    /// A mark here, of a structure of `len` elements; opens a window.
+    fn mark(&mut self, len: usize) -> PagedMark {
+        self.open_window();
+        PagedMark {
+            pos: self.base + self.entries.len() as u64,
+            len,
+        }
+    }
+
+    /// Entries logged since `m`, as an index into `entries`.
+    fn start(&self, m: PagedMark) -> usize {
+        let start = m.pos.checked_sub(self.base).expect("a forgotten mark");
+        usize::try_from(start)
+            .expect("log position")
+            .min(self.entries.len())
+    }
+
+    fn forget_before(&mut self, m: PagedMark) {
+        let n = self.start(m);
+        self.entries.drain(..n);
+        self.base += n as u64;
+    }
+
+    fn forget_all(&mut self) {
+        self.base += self.entries.len() as u64;
+        self.entries.clear();
+        self.window = 0;
+    }
+
+    /// Its own consistency: `stamps` never name a window not opened yet.
+    fn check(&self, stamps: &[u64]) -> Result<(), String> {
+        if self.window > self.opened || stamps.iter().any(|&s| s > self.opened) {
+            return Err("stamped with a window never opened".into());
+        }
+        Ok(())
+    }
+}
+
 /// See the module documentation.
 ///
 /// Invariants (checked by [`Paged::check`]): `pages` holds exactly `len.div_ceil(P)` pages and
-/// `stamp` one window per page; no page is stamped with a window that has not been opened; log
-/// entries name pages below the largest length any mark had.
+/// `stamp` one window per page; no page is stamped with a window that has not been opened.
 #[derive(Clone, Debug)]
 pub(crate) struct Paged<T, const P: usize> {
     pages: Vec<Box<[T; P]>>,
     len: usize,
     /// Per page, the window in which it was last logged (or made).
     stamp: Vec<u64>,
-    /// The window changes are logged in; 0 while no mark is open (nothing is logged).
-    window: u64,
-    /// The last window opened (windows are never reused, so an old stamp never matches).
-    opened: u64,
     /// Pages as they were before their first change in some window: (page, image).
-    log: Vec<(usize, Box<[T; P]>)>,
-    /// Position of `log[0]` (see [`PagedMark::pos`]).
-    base: u64,
+    log: Log<(usize, Box<[T; P]>)>,
 }
 
 impl<T: Clone + Default, const P: usize> Default for Paged<T, P> {
@@ -46,10 +113,7 @@ impl<T: Clone + Default, const P: usize> Default for Paged<T, P> {
             pages: Vec::new(),
             len: 0,
             stamp: Vec::new(),
-            window: 0,
-            opened: 0,
-            log: Vec::new(),
-            base: 0,
+            log: Log::default(),
         }
     }
 }
@@ -79,7 +143,7 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
             return None;
         }
         let p = i / P;
-        if self.window != 0 && self.stamp[p] != self.window {
+        if self.log.due(self.stamp[p]) {
             self.log_page(p);
         }
         Some(&mut self.pages[p][i % P])
@@ -91,8 +155,8 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
     fn log_page(&mut self, p: usize) {
         let copy = self.pages[p].clone();
         let old = std::mem::replace(&mut self.pages[p], copy);
-        self.log.push((p, old));
-        self.stamp[p] = self.window;
+        self.log.entries.push((p, old));
+        self.stamp[p] = self.log.window;
     }
 
     /// Append `v`; returns its index.
@@ -101,8 +165,7 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
         if i / P == self.pages.len() {
             // A page made now needs no image: a restore to any open mark cuts it away (its
             // length was shorter), and the stamp keeps it from being logged in this window.
-            self.pages.push(blank());
-            self.stamp.push(self.window);
+            self.grow_pages(i / P + 1);
         }
         self.len += 1;
         *self.get_mut(i).expect("just pushed") = v;
@@ -115,32 +178,15 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
         self.pages.iter().flat_map(|p| p.iter()).take(self.len)
     }
 
-    fn open_window(&mut self) {
-        self.opened += 1;
-        self.window = self.opened;
-    }
-
     /// Open a mark: changes from now on are logged until [`Paged::forget_all`].
     pub(crate) fn mark(&mut self) -> PagedMark {
-        self.open_window();
-        PagedMark {
-            pos: self.base + self.log.len() as u64,
-            len: self.len,
-        }
-    }
-
-    /// Entries logged since `m`, as an index into `log`.
-    fn start(&self, m: PagedMark) -> usize {
-        let start = m.pos.checked_sub(self.base).expect("a forgotten mark");
-        usize::try_from(start)
-            .expect("log position")
-            .min(self.log.len())
+        self.log.mark(self.len)
     }
 
     fn grow_pages(&mut self, n: usize) {
         while self.pages.len() < n {
             self.pages.push(blank());
-            self.stamp.push(self.window);
+            self.stamp.push(self.log.window);
         }
     }
 
@@ -149,14 +195,14 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
     /// open the restore is a change like any other, logged so that every later mark stays
     /// restorable, and each page it puts back is a copy of its image.
     pub(crate) fn restore(&mut self, m: PagedMark, journaled: bool) {
-        let start = self.start(m);
+        let start = self.log.start(m);
         let pages = m.len.div_ceil(P);
         if journaled {
             // The first entry of a page from `start` on is its image at `m`.
             let mut first: Vec<usize> = Vec::new();
             let mut seen = vec![false; self.pages.len().max(pages)];
-            for k in start..self.log.len() {
-                let p = self.log[k].0;
+            for k in start..self.log.entries.len() {
+                let p = self.log.entries[k].0;
                 if p >= seen.len() {
                     seen.resize(p + 1, false);
                 }
@@ -166,7 +212,7 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
             }
             // Pages past the mark's length: logged (later marks may have them), then cut away.
             for p in pages..self.pages.len() {
-                if self.stamp[p] != self.window {
+                if self.log.due(self.stamp[p]) {
                     self.log_page(p);
                 }
             }
@@ -174,17 +220,17 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
             self.stamp.truncate(pages);
             self.grow_pages(pages);
             for k in first {
-                let p = self.log[k].0;
+                let p = self.log.entries[k].0;
                 if p >= pages {
                     continue;
                 }
-                if self.stamp[p] != self.window {
+                if self.log.due(self.stamp[p]) {
                     self.log_page(p);
                 }
-                self.pages[p] = self.log[k].1.clone();
+                self.pages[p] = self.log.entries[k].1.clone();
             }
         } else {
-            let logged = self.log.split_off(start);
+            let logged = self.log.entries.split_off(start);
             for (p, image) in logged.into_iter().rev() {
                 if p < pages {
                     if p >= self.pages.len() {
@@ -197,28 +243,24 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
             self.stamp.truncate(pages);
             self.grow_pages(pages);
             // Stamps of this window name entries just cut away.
-            self.open_window();
+            self.log.open_window();
         }
         self.len = m.len;
     }
 
     /// The oldest open mark is now `m`: entries logged before it are not needed any more.
     pub(crate) fn forget_before(&mut self, m: PagedMark) {
-        let n = self.start(m);
-        self.log.drain(..n);
-        self.base += n as u64;
+        self.log.forget_before(m);
     }
 
     /// No mark is open any more: the log goes, and changes are not logged.
     pub(crate) fn forget_all(&mut self) {
-        self.base += self.log.len() as u64;
-        self.log.clear();
-        self.window = 0;
+        self.log.forget_all();
     }
 
     /// Pages logged for the open marks.
     pub(crate) fn log_len(&self) -> usize {
-        self.log.len()
+        self.log.entries.len()
     }
 
     /// Its own consistency (see the type's invariants).
@@ -231,24 +273,18 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
                 self.len
             ));
         }
-        if self.window > self.opened || self.stamp.iter().any(|&s| s > self.opened) {
-            return Err("a page stamped with a window never opened".into());
-        }
-        Ok(())
+        self.log.check(&self.stamp)
     }
 }
 
 /// One value that journals itself whole, with [`Paged`]'s protocol: while a mark is open, the
 /// first change in a window logs a copy of it. Kept inline (a [`Paged`] of one element would cost
 /// a pointer chase on every read).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub(crate) struct Logged<T> {
     value: T,
     stamp: u64,
-    window: u64,
-    opened: u64,
-    log: Vec<T>,
-    base: u64,
+    log: Log<T>,
 }
 
 impl<T: Clone> Logged<T> {
@@ -256,10 +292,7 @@ impl<T: Clone> Logged<T> {
         Logged {
             value,
             stamp: 0,
-            window: 0,
-            opened: 0,
-            log: Vec::new(),
-            base: 0,
+            log: Log::default(),
         }
     }
 
@@ -272,7 +305,7 @@ impl<T: Clone> Logged<T> {
     /// window.
     #[inline]
     pub(crate) fn get_mut(&mut self) -> &mut T {
-        if self.window != 0 && self.stamp != self.window {
+        if self.log.due(self.stamp) {
             self.log_value();
         }
         &mut self.value
@@ -281,66 +314,51 @@ impl<T: Clone> Logged<T> {
     #[cold]
     #[inline(never)]
     fn log_value(&mut self) {
-        self.log.push(self.value.clone());
-        self.stamp = self.window;
-    }
-
-    fn open_window(&mut self) {
-        self.opened += 1;
-        self.window = self.opened;
+        self.log.entries.push(self.value.clone());
+        self.stamp = self.log.window;
     }
 
     /// See [`Paged::mark`].
     pub(crate) fn mark(&mut self) -> PagedMark {
-        self.open_window();
-        PagedMark {
-            pos: self.base + self.log.len() as u64,
-            len: 1,
-        }
-    }
-
-    fn start(&self, m: PagedMark) -> usize {
-        let start = m.pos.checked_sub(self.base).expect("a forgotten mark");
-        usize::try_from(start)
-            .expect("log position")
-            .min(self.log.len())
+        self.log.mark(1)
     }
 
     /// See [`Paged::restore`]: the first value logged since `m` was the value at `m`.
     pub(crate) fn restore(&mut self, m: PagedMark, journaled: bool) {
-        let start = self.start(m);
+        let start = self.log.start(m);
         if journaled {
-            if start < self.log.len() {
-                if self.stamp != self.window {
+            if start < self.log.entries.len() {
+                if self.log.due(self.stamp) {
                     self.log_value();
                 }
-                self.value = self.log[start].clone();
+                self.value = self.log.entries[start].clone();
             }
         } else {
-            if start < self.log.len() {
-                self.value = self.log.swap_remove(start);
-                self.log.truncate(start);
+            if start < self.log.entries.len() {
+                self.value = self.log.entries.swap_remove(start);
+                self.log.entries.truncate(start);
             }
-            self.open_window();
+            self.log.open_window();
         }
     }
 
     /// See [`Paged::forget_before`].
     pub(crate) fn forget_before(&mut self, m: PagedMark) {
-        let n = self.start(m);
-        self.log.drain(..n);
-        self.base += n as u64;
+        self.log.forget_before(m);
     }
 
     /// See [`Paged::forget_all`].
     pub(crate) fn forget_all(&mut self) {
-        self.base += self.log.len() as u64;
-        self.log.clear();
-        self.window = 0;
+        self.log.forget_all();
     }
 
     pub(crate) fn log_len(&self) -> usize {
-        self.log.len()
+        self.log.entries.len()
+    }
+
+    /// Its own consistency: see [`Paged::check`].
+    pub(crate) fn check(&self) -> Result<(), String> {
+        self.log.check(&[self.stamp])
     }
 }
 
@@ -438,6 +456,7 @@ mod tests {
                     }
                 }
                 prop_assert_eq!(v.check(), Ok(()));
+                prop_assert_eq!(whole.check(), Ok(()));
                 prop_assert_eq!(v.len(), model.len());
                 prop_assert!(v.iter().copied().eq(model.iter().copied()));
                 prop_assert_eq!(whole.get(), &model);
