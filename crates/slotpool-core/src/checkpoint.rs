@@ -21,6 +21,7 @@ use crate::env::Env;
 use crate::free_index::IndexMark;
 use crate::pool::PoolId;
 use crate::shard::{Shard, ShardError};
+use crate::stats::{MemoryStats, StatArray};
 
 /// One change to undo, as the shard reports it to its [`Journal`].
 #[derive(Debug)]
@@ -426,6 +427,8 @@ pub(crate) struct Mark {
     pub index: [IndexMark; 2],
     /// Segments that existed, sorted: the free indexes at the mark know nothing of the others.
     pub segments: Arc<[SegmentId]>,
+    /// The block statistics then.
+    pub stats: BlockStats,
 }
 
 /// A pool's state at one moment: segments, how they are split, and which blocks are live.
@@ -524,6 +527,8 @@ pub(crate) struct Plan {
     /// The free indexes at the checkpoint (large, small), the segments that existed then, and
     /// whether marks were placed after it; `None`: empty (the shard is newer).
     index: Option<([IndexMark; 2], Arc<[SegmentId]>, bool)>,
+    /// The block statistics at the checkpoint (all zero for a shard newer than it).
+    stats: BlockStats,
     /// Segments added since: each becomes one free block.
     reset_segments: Vec<SegmentId>,
     /// First blocks of segments that a restore reset since: (segment, first block then).
@@ -556,59 +561,72 @@ impl BlockShare {
     }
 }
 
-/// Statistics that blocks take out of a shard or put in, summed so that each statistic is
-/// updated twice per restore instead of once per block: first everything taken out, then
-/// everything put in, which gives the current values, totals and peaks of taking all blocks out
-/// before putting any in. Indexed by `small`.
-#[derive(Debug, Default)]
-struct Tally {
-    inactive_split: [i64; 2],
-    inactive_split_bytes: [i64; 2],
-    allocation: [i64; 2],
-    allocated_bytes: [i64; 2],
-    active: [i64; 2],
-    active_bytes: [i64; 2],
-    requested_bytes: [i64; 2],
+/// The statistics that follow from the blocks alone (not from the segments), as current values:
+/// allocations, active blocks, allocated, active and requested bytes, inactive splits, oversize
+/// allocations. At the end of a restore they are exactly what they were at its mark (the blocks
+/// are; a segment added since is one free, unsplit block), so a mark keeps them and a restore
+/// sets them back, where it used to sum what every changed block took out and put in (a pass
+/// that read each block's neighbours). Totals and peaks move by the net change.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct BlockStats {
+    /// `[small][k]`, `k` as in [`block_stat`].
+    current: [[i64; BLOCK_STATS]; 2],
     oversize: i64,
 }
 
-impl Tally {
-    fn add(&mut self, env: &Env<'_>, b: BlockShare, small: bool, vmm: bool) {
-        let s = small as usize;
-        if b.state == BlockState::Allocated {
-            self.allocation[s] += 1;
-            self.allocated_bytes[s] += b.size as i64;
-            if !vmm && env.policy.is_oversize(b.size) {
-                self.oversize += 1;
-            }
+const BLOCK_STATS: usize = 7;
+
+/// Block statistic `k` of `st`.
+fn block_stat(st: &mut MemoryStats, k: usize) -> &mut StatArray {
+    match k {
+        0 => &mut st.allocation,
+        1 => &mut st.allocated_bytes,
+        2 => &mut st.active,
+        3 => &mut st.active_bytes,
+        4 => &mut st.requested_bytes,
+        5 => &mut st.inactive_split,
+        _ => &mut st.inactive_split_bytes,
+    }
+}
+
+impl BlockStats {
+    pub(crate) fn of(st: &mut MemoryStats) -> Self {
+        let mut out = BlockStats {
+            oversize: st.oversize_allocations.current,
+            ..Default::default()
+        };
+        for k in 0..BLOCK_STATS {
+            let stat = block_stat(st, k);
+            out.current[0][k] = stat.large_pool().current;
+            out.current[1][k] = stat.small_pool().current;
         }
-        self.active[s] += 1;
-        self.active_bytes[s] += b.size as i64;
-        self.requested_bytes[s] += b.requested as i64;
+        out
     }
 
-    fn apply(&self, shard: &mut Shard, env: &Env<'_>, sign: i64) {
-        let st = &mut shard.stats;
-        for small in [true, false] {
-            let s = small as usize;
-            st.allocation.update(small, sign * self.allocation[s]);
-            st.allocated_bytes
-                .update(small, sign * self.allocated_bytes[s]);
-            st.active.update(small, sign * self.active[s]);
-            st.active_bytes.update(small, sign * self.active_bytes[s]);
-            st.requested_bytes
-                .update(small, sign * self.requested_bytes[s]);
-            st.inactive_split
-                .update(small, sign * self.inactive_split[s]);
-            st.inactive_split_bytes
-                .update(small, sign * self.inactive_split_bytes[s]);
+    /// Set `shard`'s block statistics to these: decreases first, then increases (the peaks of
+    /// taking out before putting in), and the device-wide allocated bytes by the net change.
+    fn set(&self, shard: &mut Shard, env: &Env<'_>) {
+        let now = BlockStats::of(&mut shard.stats);
+        for rising in [false, true] {
+            for small in [false, true] {
+                for k in 0..BLOCK_STATS {
+                    let d = self.current[small as usize][k] - now.current[small as usize][k];
+                    if d != 0 && (d > 0) == rising {
+                        block_stat(&mut shard.stats, k).update(small, d);
+                    }
+                }
+            }
         }
-        if self.oversize != 0 {
-            st.oversize_allocations.update(sign * self.oversize);
+        if self.oversize != now.oversize {
+            shard
+                .stats
+                .oversize_allocations
+                .update(self.oversize - now.oversize);
         }
-        let bytes = self.allocated_bytes[0] + self.allocated_bytes[1];
+        let bytes =
+            (self.current[0][1] + self.current[1][1]) - (now.current[0][1] + now.current[1][1]);
         if bytes != 0 {
-            shard.count_allocated(env, sign * bytes);
+            shard.count_allocated(env, bytes);
         }
     }
 }
@@ -702,6 +720,7 @@ impl Shard {
             alive: Arc::downgrade(token),
             index,
             segments: segments.into(),
+            stats: BlockStats::of(&mut self.stats),
         });
         self.blocks.set_hold(true);
         Ok(pos)
@@ -794,6 +813,7 @@ impl Shard {
                 let m = &self.marks[k];
                 plan.pos = Some(pos);
                 plan.index = Some((m.index, m.segments.clone(), k + 1 < self.marks.len()));
+                plan.stats = m.stats;
                 seen.begin();
                 // Oldest first: the first entry of a block is its state at the checkpoint.
                 for e in &self.journal.entries[pos..] {
@@ -946,8 +966,6 @@ impl Shard {
         };
         let sc = self.journal.scratch.get_mut();
         let mut w = Work {
-            out: Tally::default(),
-            put: Tally::default(),
             pages: PageWork::new(env.page_size(), std::mem::take(&mut sc.pages)),
             live_out: std::mem::take(&mut sc.live_out),
             live_in: std::mem::take(&mut sc.live_in),
@@ -970,7 +988,7 @@ impl Shard {
                     self.retain_pages(&mut w.pages, now.segment, now.addr, now.size);
                 }
                 if !same {
-                    self.take_out(env, id, now, &mut w);
+                    self.take_out(id, now, &mut w);
                 }
             }
             let Some(then) = then else {
@@ -993,7 +1011,7 @@ impl Shard {
                 }
             }
             if !same {
-                self.put_in(env, id, then, &mut w);
+                self.put_in(id, then, &mut w);
             }
         }
         for &(seg, first) in &plan.seg_firsts {
@@ -1027,8 +1045,6 @@ impl Shard {
             fresh.push(id);
         }
         let Work {
-            out,
-            put,
             mut pages,
             mut live_out,
             mut live_in,
@@ -1046,8 +1062,7 @@ impl Shard {
             debug_assert!(self.segments[seg].free_tail.is_none(), "two free tails");
             self.segments[seg].free_tail = Some(id);
         }
-        out.apply(self, env, -1);
-        put.apply(self, env, 1);
+        plan.stats.set(self, env);
         self.settle_pages(&mut pages);
         // The free indexes go back whole: their leaves changed since the mark move back, a
         // pointer each (or, with later marks to keep, are copied back and logged).
@@ -1132,69 +1147,44 @@ impl Shard {
         }
     }
 
-    /// Take block `id`'s share out: statistics, page counts, and its free-index or live-map
-    /// entry.
-    fn take_out(&mut self, env: &Env<'_>, id: BlockId, b: BlockShare, w: &mut Work) {
+    /// Take block `id`'s share out: its live-map entry or free tail, and its vmm page counts
+    /// (statistics are set back whole, [`BlockStats`]; the free index is put back whole).
+    fn take_out(&mut self, id: BlockId, b: BlockShare, w: &mut Work) {
         match b.state {
-            BlockState::Free => self.unindex(id, b, w),
+            BlockState::Free => {
+                let seg = &mut self.segments[b.segment];
+                if seg.free_tail == Some(id) {
+                    seg.free_tail = None;
+                }
+            }
             BlockState::Allocated => w.live_out.push(b.addr),
             // No block is cached while a checkpoint is alive (shard invariant 9).
             BlockState::PendingFree | BlockState::Cached => {}
         }
-        self.account(env, b, -1, w);
+        self.count_vmm_pages(b, -1, w);
     }
 
-    /// Put restored block `id`'s share in.
-    fn put_in(&mut self, env: &Env<'_>, id: BlockId, b: BlockShare, w: &mut Work) {
+    /// Put restored block `id`'s share in: a segment's free tail is set at the end of the pass.
+    fn put_in(&mut self, id: BlockId, b: BlockShare, w: &mut Work) {
         match b.state {
-            BlockState::Free => self.reindex(id, b, w),
+            BlockState::Free => {
+                if self.is_vmm_tail(id) {
+                    w.tails.push(id);
+                }
+            }
             BlockState::Allocated => w.live_in.push((b.addr, id)),
             BlockState::PendingFree | BlockState::Cached => {}
         }
-        self.account(env, b, 1, w);
+        self.count_vmm_pages(b, 1, w);
     }
 
-    /// Statistics and page counts of a non-free block.
-    fn account(&mut self, env: &Env<'_>, b: BlockShare, sign: i32, w: &mut Work) {
-        if b.state == BlockState::Free {
+    /// Page counts of a non-free block of a vmm segment.
+    fn count_vmm_pages(&mut self, b: BlockShare, sign: i32, w: &mut Work) {
+        if b.state == BlockState::Free || !self.segments.get(b.segment).is_some_and(|s| s.is_vmm())
+        {
             return;
         }
-        let Some(seg) = self.segments.get(b.segment) else {
-            return;
-        };
-        let (small, vmm) = (seg.small, matches!(seg.kind, SegmentKind::Vmm(_)));
-        let tally = if sign > 0 { &mut w.put } else { &mut w.out };
-        tally.add(env, b, small, vmm);
-        if vmm {
-            self.count_pages(&mut w.pages, b.segment, b.addr, b.size, sign);
-        }
-    }
-
-    /// `index_remove` for a restore: statistics go to the tally; the free index itself is put
-    /// back whole at the end ([`crate::free_index::FreeIndex::restore`]).
-    fn unindex(&mut self, id: BlockId, b: BlockShare, w: &mut Work) {
-        let small = self.segments[b.segment].small;
-        if self.is_inactive_split(id) {
-            w.out.inactive_split[small as usize] += 1;
-            w.out.inactive_split_bytes[small as usize] += b.size as i64;
-        }
-        let seg = &mut self.segments[b.segment];
-        if seg.free_tail == Some(id) {
-            seg.free_tail = None;
-        }
-    }
-
-    /// `index_insert` for a restored block: statistics go to the tally, a segment's free tail is
-    /// set at the end of the pass (the free index is put back whole).
-    fn reindex(&mut self, id: BlockId, b: BlockShare, w: &mut Work) {
-        let small = self.segments[b.segment].small;
-        if self.is_inactive_split(id) {
-            w.put.inactive_split[small as usize] += 1;
-            w.put.inactive_split_bytes[small as usize] += b.size as i64;
-        }
-        if self.is_vmm_tail(id) {
-            w.tails.push(id);
-        }
+        self.count_pages(&mut w.pages, b.segment, b.addr, b.size, sign);
     }
 
     /// `pages_live` for a restore: adds to the live counts and leaves the idle bits to
@@ -1250,8 +1240,6 @@ impl Shard {
 /// What a restore's apply step collects on its way.
 #[derive(Debug)]
 struct Work {
-    out: Tally,
-    put: Tally,
     pages: PageWork,
     /// Live-map entries to drop, then to add: (address, block).
     live_out: Vec<DevicePtr>,
@@ -1621,6 +1609,67 @@ mod tests {
         a.restore(POOL, &cp, &kept).unwrap();
         a.check_invariants().unwrap();
         assert_eq!(blocks(&a), at_cp);
+    }
+
+    /// A restore sets the block statistics back to the checkpoint's current values (a shard
+    /// newer than the checkpoint to zero); peaks keep what the changes reached.
+    #[test]
+    fn a_restore_sets_block_statistics_back() {
+        for growth in [GrowthMode::Classic, GrowthMode::Vmm] {
+            let (a, live) = holes(growth);
+            let cp = a.checkpoint(POOL).unwrap();
+            let at = a.pool_stats(POOL).unwrap();
+            let now = churn(&a, &live, 2, 1, true);
+            // A big allocation after the checkpoint raises the peaks.
+            a.alloc_in(POOL, 300 << 20, 0).unwrap();
+            let high = a.pool_stats(POOL).unwrap();
+            assert_ne!(now, live);
+            a.restore(POOL, &cp, &[]).unwrap();
+            a.check_invariants().unwrap();
+            let back = a.pool_stats(POOL).unwrap();
+            for (name, then, after, top) in [
+                (
+                    "allocation",
+                    &at.allocation,
+                    &back.allocation,
+                    &high.allocation,
+                ),
+                (
+                    "active_bytes",
+                    &at.active_bytes,
+                    &back.active_bytes,
+                    &high.active_bytes,
+                ),
+                (
+                    "allocated_bytes",
+                    &at.allocated_bytes,
+                    &back.allocated_bytes,
+                    &high.allocated_bytes,
+                ),
+                (
+                    "requested_bytes",
+                    &at.requested_bytes,
+                    &back.requested_bytes,
+                    &high.requested_bytes,
+                ),
+                (
+                    "inactive_split",
+                    &at.inactive_split,
+                    &back.inactive_split,
+                    &high.inactive_split,
+                ),
+            ] {
+                assert_eq!(after.all().current, then.all().current, "{growth:?} {name}");
+                assert_eq!(after.all().peak, top.all().peak, "{growth:?} {name} peak");
+            }
+            assert!(back.allocated_bytes.all().peak > at.allocated_bytes.all().peak);
+            // The shard on stream 7 is newer than the checkpoint: nothing of it stays live.
+            assert_eq!(
+                a.live_allocations(POOL).unwrap().len(),
+                live.len(),
+                "{growth:?}"
+            );
+        }
     }
 
     /// The model test's case: a restore that cut the block journal reset a new segment, a
