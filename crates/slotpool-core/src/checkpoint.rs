@@ -533,6 +533,9 @@ pub(crate) struct Plan {
     reset_segments: Vec<SegmentId>,
     /// First blocks of segments that a restore reset since: (segment, first block then).
     seg_firsts: Vec<(SegmentId, BlockId)>,
+    /// No block kept live: the freed / created lists are left to the apply step, which reads
+    /// every changed block anyway (or to [`Shard::plan_lists`] if the restore is refused).
+    light: bool,
     /// Allocated now, not at the checkpoint.
     pub freed: Vec<(DevicePtr, u64)>,
     /// Allocated at the checkpoint, not now.
@@ -682,6 +685,61 @@ fn bits(x: u64) -> u32 {
     64 - x.leading_zeros()
 }
 
+/// What a changed block adds to the live-now and live-then lists: its address and size now if it
+/// is not free, then if it was allocated.
+#[inline]
+fn push_lists(
+    n: Option<BlockShare>,
+    t: Option<BlockShare>,
+    now: &mut Vec<(DevicePtr, u64)>,
+    then: &mut Vec<(DevicePtr, u64)>,
+) {
+    if let Some(n) = n
+        && n.state != BlockState::Free
+    {
+        now.push((n.addr, n.size));
+    }
+    // No block is cached while a checkpoint is alive (shard invariant 9).
+    if let Some(t) = t
+        && t.state == BlockState::Allocated
+    {
+        then.push((t.addr, t.size));
+    }
+}
+
+/// Sort the live-now and live-then lists by address and merge them into what a restore frees
+/// (live now, not then) and creates (live then, not now); `pairs` is a buffer.
+fn merge_lists(
+    now: &mut Vec<(DevicePtr, u64)>,
+    then: &mut Vec<(DevicePtr, u64)>,
+    pairs: &mut Vec<(DevicePtr, u64)>,
+    freed: &mut Vec<(DevicePtr, u64)>,
+    created: &mut Vec<(DevicePtr, u64)>,
+) {
+    sort_by_addr(now, pairs);
+    sort_by_addr(then, pairs);
+    // Addresses are unique on each side: one merge finds what differs.
+    let (mut i, mut j) = (0, 0);
+    while i < now.len() || j < then.len() {
+        let a = now.get(i).map_or(u64::MAX, |x| x.0);
+        let b = then.get(j).map_or(u64::MAX, |x| x.0);
+        if a < b || j == then.len() {
+            freed.push(now[i]);
+            i += 1;
+        } else if b < a || i == now.len() {
+            created.push(then[j]);
+            j += 1;
+        } else {
+            if now[i].1 != then[j].1 {
+                freed.push(now[i]);
+                created.push(then[j]);
+            }
+            i += 1;
+            j += 1;
+        }
+    }
+}
+
 /// Sort (address, size) pairs with unique addresses by address.
 fn sort_by_addr(v: &mut Vec<(DevicePtr, u64)>, tmp: &mut Vec<(DevicePtr, u64)>) {
     let (mut lo, mut hi, mut any) = (u64::MAX, 0, 0);
@@ -795,8 +853,6 @@ impl Shard {
         plan.freed = std::mem::take(&mut sc.freed);
         plan.created = std::mem::take(&mut sc.created);
         let (seen, now, then, pairs) = (&mut sc.seen, &mut sc.now, &mut sc.then, &mut sc.pairs);
-        now.clear();
-        then.clear();
         match mark {
             Some((pos, token)) => {
                 let Some(k) = self
@@ -834,7 +890,7 @@ impl Shard {
                     };
                     if seen.first(id, plan.images.len() as u32) {
                         plan.images.push((id, img));
-                        self.plan_block(id, img, &mut plan, now, then);
+                        self.plan_map(img, &mut plan);
                     }
                 }
             }
@@ -843,32 +899,14 @@ impl Shard {
                 for (id, _) in self.blocks.iter() {
                     seen.first(id, plan.images.len() as u32);
                     plan.images.push((id, NO_IMAGE));
-                    self.plan_block(id, NO_IMAGE, &mut plan, now, then);
                 }
                 plan.reset_segments = self.segments.iter().map(|(s, _)| s).collect();
             }
         }
-        sort_by_addr(now, pairs);
-        sort_by_addr(then, pairs);
-        // Addresses are unique on each side: one merge finds what differs.
-        let (mut i, mut j) = (0, 0);
-        while i < now.len() || j < then.len() {
-            let a = now.get(i).map_or(u64::MAX, |x| x.0);
-            let b = then.get(j).map_or(u64::MAX, |x| x.0);
-            if a < b || j == then.len() {
-                plan.freed.push(now[i]);
-                i += 1;
-            } else if b < a || i == now.len() {
-                plan.created.push(then[j]);
-                j += 1;
-            } else {
-                if now[i].1 != then[j].1 {
-                    plan.freed.push(now[i]);
-                    plan.created.push(then[j]);
-                }
-                i += 1;
-                j += 1;
-            }
+        // With nothing to keep live, the lists wait for the apply step.
+        plan.light = keep.is_empty();
+        if !plan.light {
+            self.lists_of(&mut plan, now, then, pairs);
         }
         // With no entry since the mark, every kept block is as it was at the checkpoint.
         let keep = if plan.images.is_empty() { &[] } else { keep };
@@ -895,15 +933,26 @@ impl Shard {
         plan
     }
 
-    /// Plan block `id`, whose state at the checkpoint is image `img`: what is live now and then
-    /// (`now`, `then`), pages to map, index churn. Blocks whose share did not change cancel out
-    /// and are left out.
+    /// The pages that image `img` (a block's state at the checkpoint) needs mapped, if it is a
+    /// live block of a vmm segment. Ranges still mapped are skipped by [`Shard::restore_map`].
+    #[inline]
+    fn plan_map(&self, img: u32, plan: &mut Plan) {
+        if img == NO_IMAGE {
+            return;
+        }
+        let t = &self.journal.images[img as usize];
+        if t.state != BlockState::Free && self.segments.get(t.segment).is_some_and(|s| s.is_vmm()) {
+            plan.to_map.push((t.segment, t.addr, t.size));
+        }
+    }
+
+    /// What block `id`, whose state at the checkpoint is image `img`, adds to the live-now and
+    /// live-then lists. Blocks whose share did not change cancel out and are left out.
     #[inline]
     fn plan_block(
         &self,
         id: BlockId,
         img: u32,
-        plan: &mut Plan,
         now: &mut Vec<(DevicePtr, u64)>,
         then: &mut Vec<(DevicePtr, u64)>,
     ) {
@@ -912,25 +961,36 @@ impl Shard {
         if n.is_some() && n == t && n.is_some_and(|n| n.state != BlockState::PendingFree) {
             return;
         }
-        if let Some(n) = n {
-            match n.state {
-                BlockState::Free => {}
-                _ => now.push((n.addr, n.size)),
-            }
+        push_lists(n, t, now, then);
+    }
+
+    /// The plan's freed / created lists, from its images; `now` and `then` keep the sorted
+    /// live-now and live-then lists (keep-live checks search `then`).
+    fn lists_of(
+        &self,
+        plan: &mut Plan,
+        now: &mut Vec<(DevicePtr, u64)>,
+        then: &mut Vec<(DevicePtr, u64)>,
+        pairs: &mut Vec<(DevicePtr, u64)>,
+    ) {
+        now.clear();
+        then.clear();
+        for &(id, img) in &plan.images {
+            self.plan_block(id, img, now, then);
         }
-        if let Some(t) = t {
-            match t.state {
-                BlockState::Free => {}
-                BlockState::Allocated => then.push((t.addr, t.size)),
-                // No block is cached while a checkpoint is alive (shard invariant 9).
-                BlockState::PendingFree | BlockState::Cached => {}
-            }
-            if t.state != BlockState::Free
-                && self.segments.get(t.segment).is_some_and(|s| s.is_vmm())
-            {
-                plan.to_map.push((t.segment, t.addr, t.size));
-            }
+        merge_lists(now, then, pairs, &mut plan.freed, &mut plan.created);
+    }
+
+    /// A light plan's freed / created lists, before the apply step would have made them: a
+    /// refused restore reports them.
+    pub(crate) fn plan_lists(&self, plan: &mut Plan) {
+        if !plan.light {
+            return;
         }
+        let mut scratch = self.journal.scratch.borrow_mut();
+        let sc = &mut *scratch;
+        self.lists_of(plan, &mut sc.now, &mut sc.then, &mut sc.pairs);
+        plan.light = false;
     }
 
     /// Map the pages that the planned live blocks need (vmm). Pages mapped here stay mapped (idle)
@@ -955,8 +1015,13 @@ impl Shard {
         Ok(())
     }
 
-    /// Apply a validated plan.
-    pub(crate) fn restore_apply(&mut self, env: &Env<'_>, plan: Plan) {
+    /// Apply a validated plan; what it frees and creates goes to `delta`.
+    pub(crate) fn restore_apply(
+        &mut self,
+        env: &Env<'_>,
+        mut plan: Plan,
+        delta: &mut RestoreDelta,
+    ) {
         // Checkpoints taken after this one stay valid: the restore's own changes go into the
         // journal like any others (undoing everything after a mark, in order, always yields the
         // state at that mark). With no later mark, the journal is simply cut back instead.
@@ -971,6 +1036,11 @@ impl Shard {
             live_in: std::mem::take(&mut sc.live_in),
             tails: Vec::new(),
         };
+        // A light plan's lists are made here, from the shares the pass reads anyway.
+        let (mut now_list, mut then_list) =
+            (std::mem::take(&mut sc.now), std::mem::take(&mut sc.then));
+        now_list.clear();
+        then_list.clear();
         // One pass: each block's share goes out, the block is restored, its old share comes in.
         // Sums of statistics, page counts and index entries do not depend on the order; what
         // does (a live-map address or a segment's free tail that changes hands) waits for the
@@ -981,6 +1051,9 @@ impl Shard {
             // A block whose share is the same now and at the checkpoint (only its links changed)
             // keeps its statistics, index entry and map entry: only the block itself is restored.
             let same = now.is_some() && now == then;
+            if plan.light && !same {
+                push_lists(now, then, &mut now_list, &mut then_list);
+            }
             if let Some(now) = now {
                 if now.state != BlockState::Free {
                     // Blocks the restore takes back are still held by their owners (and graphs
@@ -1063,6 +1136,19 @@ impl Shard {
             self.segments[seg].free_tail = Some(id);
         }
         plan.stats.set(self, env);
+        let sc = self.journal.scratch.get_mut();
+        if plan.light {
+            merge_lists(
+                &mut now_list,
+                &mut then_list,
+                &mut sc.pairs,
+                &mut plan.freed,
+                &mut plan.created,
+            );
+        }
+        (sc.now, sc.then) = (now_list, then_list);
+        delta.freed.extend_from_slice(&plan.freed);
+        delta.created.extend_from_slice(&plan.created);
         self.settle_pages(&mut pages);
         // The free indexes go back whole: their leaves changed since the mark move back, a
         // pointer each (or, with later marks to keep, are copied back and logged).

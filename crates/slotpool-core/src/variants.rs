@@ -162,6 +162,9 @@ impl<D: Device> Allocator<D> {
             plans.push(shard.plan_restore(mark, keep, &mut diff));
         }
         if !diff.mismatches.is_empty() || !strays.is_empty() {
+            for (shard, plan) in guards.iter().zip(plans.iter_mut()) {
+                shard.plan_lists(plan);
+            }
             drop(guards);
             for &p in &strays {
                 let owner = self.with_owner(p, |_, s| s.pool);
@@ -193,9 +196,7 @@ impl<D: Device> Allocator<D> {
         };
         for ((cell, shard), plan) in cells.iter().zip(guards.iter_mut()).zip(plans) {
             let env = self.env(&cell.pool_budget);
-            delta.freed.extend_from_slice(&plan.freed);
-            delta.created.extend_from_slice(&plan.created);
-            shard.restore_apply(&env, plan);
+            shard.restore_apply(&env, plan, &mut delta);
         }
         drop(guards);
         // Each shard's lists are in address order already.
