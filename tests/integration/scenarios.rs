@@ -151,10 +151,13 @@ fn restore_mismatches_change_nothing() {
     let d = mismatch(a.restore(POOL, &cp, &[p1]));
     assert!(d.mismatches[0].contains("must stay live"), "{d}");
     assert_eq!(d.added, vec![(p1, 2 * MIB)]);
-    // Unknown pointers and pointers of another pool.
-    mismatch(a.restore(POOL, &cp, &[0xdead_0000]));
+    // Unknown pointers and pointers of another pool. No pointer of the pool is kept, so the
+    // plan leaves the lists to the apply step; a refusal still reports them.
+    let d = mismatch(a.restore(POOL, &cp, &[0xdead_0000]));
+    assert_eq!(d.added, vec![(p1, 2 * MIB)], "{d}");
     let d = mismatch(a.restore(POOL, &cp, &[q]));
     assert!(d.to_string().contains("another pool"), "{d}");
+    assert_eq!(d.added, vec![(p1, 2 * MIB)], "{d}");
     // A checkpoint of another pool.
     assert!(matches!(
         a.restore(other, &cp, &[]),
