@@ -96,16 +96,21 @@ fn primary_context(device: c_int) -> Option<usize> {
 /// runtime uses). True if the calling thread's current context is that one, or none (the runtime
 /// will make it current).
 fn primary_context_current(device: c_int) -> bool {
-    let Some(get_current) = real::cu_ctx_get_current() else {
+    if real::cu_ctx_get_current().is_none() {
         // The driver is not visible to us; the runtime always uses the primary context.
         return true;
-    };
+    }
+    current_context().is_some_and(|c| c == 0 || primary_context(device) == Some(c))
+}
+
+/// The calling thread's current context, 0 for none; `None` if the driver is not visible or
+/// the call failed.
+#[inline]
+fn current_context() -> Option<usize> {
+    let get_current = real::cu_ctx_get_current()?;
     let mut current: real::Context = std::ptr::null_mut();
     // SAFETY: a valid out-pointer.
-    if unsafe { get_current(&mut current) } != CUDA_SUCCESS {
-        return false;
-    }
-    current.is_null() || primary_context(device) == Some(current as usize)
+    (unsafe { get_current(&mut current) } == CUDA_SUCCESS).then_some(current as usize)
 }
 
 /// The device whose primary context is `ctx`, if slotpool has seen it.
@@ -125,13 +130,9 @@ fn primary_device_of(ctx: usize) -> Option<c_int> {
 /// way (no context yet, a device not seen yet, or a context of the program's own).
 #[inline]
 fn current_primary_device() -> Option<c_int> {
-    let get_current = real::cu_ctx_get_current()?;
-    let mut current: real::Context = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer.
-    if unsafe { get_current(&mut current) } != CUDA_SUCCESS || current.is_null() {
-        return None;
-    }
-    primary_device_of(current as usize)
+    current_context()
+        .filter(|&c| c != 0)
+        .and_then(primary_device_of)
 }
 
 /// The device of created stream `stream`, if the stream belongs to a primary context slotpool
@@ -147,13 +148,8 @@ fn stream_primary_device(stream: u64) -> Option<c_int> {
         return None;
     }
     let device = primary_device_of(ctx as usize)?;
-    let get_current = real::cu_ctx_get_current()?;
-    let mut current: real::Context = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer.
-    if unsafe { get_current(&mut current) } != CUDA_SUCCESS {
-        return None;
-    }
-    (current.is_null() || current == ctx).then_some(device)
+    let current = current_context()?;
+    (current == 0 || current == ctx as usize).then_some(device)
 }
 
 /// The device a runtime-API allocation on `stream` is for: the stream's device for a created
