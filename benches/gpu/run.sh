@@ -146,6 +146,21 @@ if has host_sim && [ -x "$LIB/alloc_bench_sim" ]; then
   # speed from what the CUDA backend adds to a pair (compare with alloc_bench's slotpool rows).
   run host_sim 300 "$LIB/alloc_bench_sim" --bench --noplot --warm-up-time 1 --measurement-time 3 \
     'pair/vmm/(4KiB|1MiB)$|pair/classic/1MiB$|^threads/1$'
+  # A previous build's bench beside it (.gpu/alloc_bench_sim_prev), alternated: what a change
+  # costs the pairs, before and after on one host in one call.
+  if [ -x "$LIB/alloc_bench_sim_prev" ]; then
+    for r in 1 2; do
+      for b in prev new; do
+        bin=$LIB/alloc_bench_sim; [ $b = prev ] && bin=$LIB/alloc_bench_sim_prev
+        run host_sim_$b$r 300 "$bin" --bench --noplot --warm-up-time 1 --measurement-time 2 \
+          'pair/vmm/(4KiB|1MiB)$|pair/classic/1MiB$|random_64_live'
+      done
+    done
+    for f in "$OUT"/host_sim_*.log; do
+      echo "-- $(basename "$f" .log)"
+      grep -E "^(pair|random)|time:" "$f" | paste - - | awk '{print $1, $5, $6}'
+    done
+  fi
 fi
 
 if has host_restore && [ -x "$LIB/checkpoint_bench_sim" ]; then

@@ -1,415 +1,33 @@
 //! Transactional checkpoint / restore of a pool.
 //!
-//! A checkpoint costs O(1) per shard of the pool: it places a *mark* in each shard's journal, an
-//! undo log that records a block's before-image whenever a block changes while a mark is alive.
-//! A restore walks the journal back from its end to the mark, so it costs what changed since the
-//! checkpoint, not what the pool holds. While a mark is alive, an id the journal names is never reused (so
-//! before-images can go back under their ids) and segments are never released (so the
-//! checkpointed topology always exists).
+//! A checkpoint costs O(segments) per shard of the pool: it places a *mark* in each shard, in
+//! each of the structures that hold its state. Those structures keep themselves in pages that
+//! journal themselves ([`crate::paged`]): while a mark is open, the first change to a page in a
+//! window moves the page into a log and carries on in a copy. The block slab
+//! ([`crate::block_slab`]), the live map ([`crate::live_map`]) and the free indexes are such
+//! structures; a mark also keeps each segment's first block and free tail, and the block
+//! statistics' current values. A restore moves the logged pages back, a pointer each, so it costs
+//! the pages changed since the checkpoint, not the blocks the pool holds. While a mark is alive
+//! segments are never released (so the checkpointed topology always exists).
 //!
-//! A restore is a transaction: it first plans every shard and validates the caller's `keep_live`
-//! set against the plan; any mismatch fails with a [`RestoreDiff`] and changes nothing. A restore
-//! journals its own changes when checkpoints taken after the restored one are alive, so every
-//! live checkpoint stays restorable, in any order (CUDA graph trees switch paths back and forth).
+//! A restore is a transaction: it first plans every shard (what it frees and re-creates, read
+//! from the live map's logged pages) and validates the caller's `keep_live` set against the
+//! plan; any mismatch fails with a [`RestoreDiff`] and changes nothing. A restore to a
+//! checkpoint with later checkpoints alive is logged like any change, so every live checkpoint
+//! stays restorable, in any order (CUDA graph trees switch paths back and forth).
 
 use std::cell::RefCell;
 use std::sync::{Arc, Weak};
 
-use crate::block::{Block, BlockId, BlockState, SegmentId, SegmentKind, StreamUses};
+use crate::block::{Block, BlockId, SegmentId, SegmentKind};
+use crate::block_slab::{BlockSlab, SlabMark};
 use crate::device::{DevicePtr, StreamId};
 use crate::env::Env;
 use crate::free_index::IndexMark;
+use crate::live_map::{LiveEntry, LiveMap, LiveMark};
 use crate::pool::PoolId;
 use crate::shard::{Shard, ShardError};
 use crate::stats::{MemoryStats, StatArray};
-
-/// One change to undo, as the shard reports it to its [`Journal`].
-#[derive(Debug)]
-pub(crate) enum Undo {
-    /// Block `id` looked like this before a change.
-    Modified(BlockId, Block),
-    /// Block `id` was created (a restore putting a block back under its old id).
-    Inserted(BlockId),
-    /// Block `id` was created under an id fresh from the slab: no entry of any window names it.
-    Minted(BlockId),
-    /// Block `id` (as it was) was removed.
-    Removed(BlockId, Block),
-    /// Segment `id` was added.
-    SegmentAdded(SegmentId),
-    /// Segment `id`'s first block was this one before a restore reset the segment.
-    SegmentFirst(SegmentId, BlockId),
-}
-
-/// A journal entry. Small and `Copy`: a restore scans every entry after its mark, and cutting
-/// the journal back must not visit entries one by one to drop them.
-#[derive(Clone, Copy, Debug)]
-enum Entry {
-    /// Block `id` looked like `images[img]` before a change (or before it was removed: a restore
-    /// treats both alike).
-    Image { id: BlockId, img: u32 },
-    /// Block `id` was created.
-    Inserted(BlockId),
-    /// Segment `id` was added.
-    SegmentAdded(SegmentId),
-    /// Segment `seg`'s first block was `first` before a restore reset the segment.
-    SegmentFirst { seg: u32, first: BlockId },
-}
-
-/// No block: the `prev`/`next` of an image, or a plan's image of a block that did not exist.
-const NONE: usize = usize::MAX;
-const NO_IMAGE: u32 = u32::MAX;
-
-/// A block's before-image without its heap part: `stream_uses` lives in [`Journal::uses`].
-/// One cache line: a restore reads thousands of them.
-#[derive(Clone, Copy, Debug)]
-#[repr(align(64))]
-struct Image {
-    addr: DevicePtr,
-    size: u64,
-    requested: u64,
-    segment: SegmentId,
-    prev: BlockId,
-    next: BlockId,
-    uses: u32,
-    uses_len: u32,
-    pending_events: u32,
-    state: BlockState,
-}
-
-impl Image {
-    fn share(&self) -> BlockShare {
-        BlockShare {
-            state: self.state,
-            addr: self.addr,
-            size: self.size,
-            requested: self.requested,
-            segment: self.segment,
-        }
-    }
-}
-
-/// The undo log of a shard since its oldest live checkpoint mark.
-#[derive(Debug, Default)]
-pub(crate) struct Journal {
-    entries: Vec<Entry>,
-    images: Vec<Image>,
-    uses: Vec<StreamId>,
-    /// Per block id, `(window + 1) << 1` once an entry names it after the newest mark, plus 1
-    /// when that entry is its minting: a restore reads only a block's first entry after any
-    /// mark, so later changes of it add nothing (without this, churn under a live checkpoint grew
-    /// the journal by five entries a pair).
-    recorded: Vec<u32>,
-    /// Counts the newest mark's windows; a new mark, or entries cut away, opens a new one.
-    window: u32,
-    /// Buffers of restores (boxed: a shard that never restores carries a pointer, not them); a
-    /// `RefCell` because planning reads the shard.
-    scratch: Box<RefCell<Scratch>>,
-}
-
-/// Buffers kept from one restore to the next: a restore of thousands of blocks then allocates
-/// (and page-faults) nothing, and its cost does not grow with the slab.
-#[derive(Debug, Default)]
-struct Scratch {
-    /// Which blocks a plan saw, indexed by block id: `(generation, plan image index)`.
-    seen: Seen,
-    images: Vec<(BlockId, u32)>,
-    to_map: Vec<(SegmentId, DevicePtr, u64)>,
-    now: Vec<(DevicePtr, u64)>,
-    then: Vec<(DevicePtr, u64)>,
-    freed: Vec<(DevicePtr, u64)>,
-    created: Vec<(DevicePtr, u64)>,
-    pairs: Vec<(DevicePtr, u64)>,
-    pages: Vec<(SegmentId, usize)>,
-    live_in: Vec<(DevicePtr, BlockId)>,
-    live_out: Vec<DevicePtr>,
-}
-
-/// Which blocks a pass has seen, and a value for each, indexed by block id: a generation count
-/// makes starting a pass O(1).
-#[derive(Debug, Default)]
-struct Seen {
-    generation: u32,
-    slots: Vec<(u32, u32)>,
-}
-
-impl Seen {
-    /// Start a new generation: every block reads as unseen.
-    fn begin(&mut self) {
-        if self.generation == u32::MAX {
-            self.slots.fill((0, 0));
-            self.generation = 0;
-        }
-        self.generation += 1;
-    }
-
-    /// Mark `id` seen with value `v`; returns whether it was new (the value is kept otherwise).
-    #[inline]
-    fn first(&mut self, id: BlockId, v: u32) -> bool {
-        if id >= self.slots.len() {
-            self.slots.resize((id + 1).next_power_of_two(), (0, 0));
-        }
-        let slot = &mut self.slots[id];
-        if slot.0 == self.generation {
-            return false;
-        }
-        *slot = (self.generation, v);
-        true
-    }
-
-    fn get(&self, id: BlockId) -> Option<u32> {
-        self.slots
-            .get(id)
-            .filter(|s| s.0 == self.generation)
-            .map(|s| s.1)
-    }
-}
-
-impl Journal {
-    /// Whether an entry names block `id` since the newest mark.
-    #[inline]
-    pub(crate) fn records(&self, id: BlockId) -> bool {
-        self.recorded
-            .get(id)
-            .is_some_and(|&s| s >> 1 == self.window + 1)
-    }
-
-    /// Whether block id `id` was minted since the newest mark: its one entry anywhere is that
-    /// minting, so at every live mark the id was vacant, and a restore to any of them removes
-    /// whatever holds it then. Such an id can be reused at once when its block goes.
-    #[inline]
-    pub(crate) fn minted_since_mark(&self, id: BlockId) -> bool {
-        self.recorded.get(id) == Some(&(((self.window + 1) << 1) | 1))
-    }
-
-    /// Note that an entry names `id` from now on (`minted`: the entry is its minting); false if
-    /// one already did.
-    #[inline]
-    fn first_record(&mut self, id: BlockId, minted: bool) -> bool {
-        if id >= self.recorded.len() {
-            self.recorded.resize((id + 1).next_power_of_two(), 0);
-        }
-        let stamp = &mut self.recorded[id];
-        if *stamp >> 1 == self.window + 1 {
-            return false;
-        }
-        *stamp = ((self.window + 1) << 1) | minted as u32;
-        true
-    }
-
-    /// Forget which blocks are recorded: a mark was placed, or entries were cut away.
-    pub(crate) fn new_window(&mut self) {
-        if self.window >= (u32::MAX >> 1) - 1 {
-            self.recorded.fill(0);
-            self.window = 0;
-        }
-        self.window += 1;
-    }
-
-    /// Record one change (the shard only calls this while a mark is alive); a block that an
-    /// entry names since the newest mark is not recorded again.
-    #[inline]
-    pub(crate) fn push(&mut self, u: Undo) {
-        let e = match u {
-            Undo::Modified(id, b) | Undo::Removed(id, b) => {
-                if !self.first_record(id, false) {
-                    return;
-                }
-                Entry::Image {
-                    id,
-                    img: self.add_image(&b),
-                }
-            }
-            Undo::Inserted(id) | Undo::Minted(id) => {
-                if !self.first_record(id, matches!(u, Undo::Minted(_))) {
-                    return;
-                }
-                Entry::Inserted(id)
-            }
-            Undo::SegmentAdded(seg) => Entry::SegmentAdded(seg),
-            Undo::SegmentFirst(seg, first) => Entry::SegmentFirst {
-                seg: u32::try_from(seg).expect("segment id over u32"),
-                first,
-            },
-        };
-        self.entries.push(e);
-    }
-
-    #[inline]
-    fn add_image(&mut self, b: &Block) -> u32 {
-        let img = u32::try_from(self.images.len()).expect("journal over u32 images");
-        let uses = self.uses.len() as u32;
-        self.uses.extend_from_slice(b.stream_uses.as_slice());
-        self.images.push(Image {
-            addr: b.addr,
-            size: b.size,
-            requested: b.requested,
-            segment: b.segment,
-            prev: b.prev().unwrap_or(NONE),
-            next: b.next().unwrap_or(NONE),
-            uses,
-            uses_len: b.stream_uses.len() as u32,
-            pending_events: b.pending_events,
-            state: b.state,
-        });
-        img
-    }
-
-    fn block(&self, img: u32) -> Block {
-        let i = &self.images[img as usize];
-        let link = |id: BlockId| (id != NONE).then_some(id);
-        let mut b = Block::free(i.addr, i.size, i.segment, link(i.prev), link(i.next));
-        b.requested = i.requested;
-        b.state = i.state;
-        b.pending_events = i.pending_events;
-        if i.uses_len != 0 {
-            b.stream_uses =
-                StreamUses::from_slice(&self.uses[i.uses as usize..][..i.uses_len as usize]);
-        }
-        b
-    }
-
-    /// Overwrite `slot` with image `img`, field by field: building a `Block` and moving it in
-    /// went through the stack and cost a store-forwarding stall per restored block.
-    #[inline]
-    fn restore_into(&self, img: u32, slot: &mut Block) {
-        let i = &self.images[img as usize];
-        let link = |id: BlockId| (id != NONE).then_some(id);
-        slot.addr = i.addr;
-        slot.size = i.size;
-        slot.requested = i.requested;
-        slot.segment = i.segment;
-        slot.set_prev(link(i.prev));
-        slot.set_next(link(i.next));
-        slot.state = i.state;
-        slot.pending_events = i.pending_events;
-        slot.stream_uses = if i.uses_len == 0 {
-            StreamUses::default()
-        } else {
-            StreamUses::from_slice(&self.uses[i.uses as usize..][..i.uses_len as usize])
-        };
-    }
-
-    /// Record block `id`'s before-image from a reference (no clone of its stream uses).
-    #[inline]
-    fn push_modified(&mut self, id: BlockId, b: &Block) {
-        if !self.first_record(id, false) {
-            return;
-        }
-        let img = self.add_image(b);
-        self.entries.push(Entry::Image { id, img });
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    /// Mark in the scratch `seen` array every block id an entry names.
-    fn name_ids(&mut self) {
-        let seen = &mut self.scratch.get_mut().seen;
-        seen.begin();
-        for e in &self.entries {
-            match *e {
-                Entry::Image { id, .. } | Entry::Inserted(id) => {
-                    seen.first(id, 0);
-                }
-                Entry::SegmentFirst { first, .. } => {
-                    seen.first(first, 0);
-                }
-                Entry::SegmentAdded(_) => {}
-            }
-        }
-    }
-
-    pub(crate) fn clear(&mut self) {
-        self.entries.clear();
-        self.images.clear();
-        self.uses.clear();
-        self.new_window();
-    }
-
-    /// The image index and uses index where entries from `pos` on begin.
-    fn split_at(&self, pos: usize) -> (usize, usize) {
-        let img = self.entries[pos.min(self.entries.len())..]
-            .iter()
-            .find_map(|e| match e {
-                Entry::Image { img, .. } => Some(*img as usize),
-                _ => None,
-            })
-            .unwrap_or(self.images.len());
-        let uses = self
-            .images
-            .get(img)
-            .map_or(self.uses.len(), |i| i.uses as usize);
-        (img, uses)
-    }
-
-    /// Cut the journal back to its first `pos` entries.
-    fn truncate(&mut self, pos: usize) {
-        let (img, uses) = self.split_at(pos);
-        self.entries.truncate(pos);
-        self.images.truncate(img);
-        self.uses.truncate(uses);
-        self.new_window();
-    }
-
-    /// Drop the first `n` entries.
-    fn drain_front(&mut self, n: usize) {
-        let (img, uses) = self.split_at(n);
-        self.entries.drain(..n);
-        self.images.drain(..img);
-        self.uses.drain(..uses);
-        for e in &mut self.entries {
-            if let Entry::Image { img: i, .. } = e {
-                *i -= img as u32;
-            }
-        }
-        for i in &mut self.images {
-            i.uses -= uses as u32;
-        }
-    }
-
-    /// Keep, from entry `start` on, only the first entry of each block and of each segment's
-    /// first block.
-    fn dedup_from(&mut self, start: usize) {
-        let (img0, uses0) = self.split_at(start);
-        let seen = &mut self.scratch.get_mut().seen;
-        seen.begin();
-        let mut firsts: Vec<u32> = Vec::new();
-        let (mut w, mut wi, mut wu) = (start, img0, uses0);
-        for r in start..self.entries.len() {
-            let keep = match self.entries[r] {
-                Entry::Image { id, .. } | Entry::Inserted(id) => seen.first(id, 0),
-                Entry::SegmentFirst { seg, .. } => {
-                    let new = !firsts.contains(&seg);
-                    if new {
-                        firsts.push(seg);
-                    }
-                    new
-                }
-                Entry::SegmentAdded(_) => true,
-            };
-            if !keep {
-                continue;
-            }
-            let mut e = self.entries[r];
-            if let Entry::Image { img, .. } = &mut e {
-                let mut i = self.images[*img as usize];
-                let from = i.uses as usize;
-                i.uses = wu as u32;
-                self.uses.copy_within(from..from + i.uses_len as usize, wu);
-                wu += i.uses_len as usize;
-                self.images[wi] = i;
-                *img = wi as u32;
-                wi += 1;
-            }
-            self.entries[w] = e;
-            w += 1;
-        }
-        self.entries.truncate(w);
-        self.images.truncate(wi);
-        self.uses.truncate(wu);
-    }
-}
 
 /// Keeps a checkpoint's marks alive; shards hold weak references to it.
 #[derive(Debug)]
@@ -417,28 +35,31 @@ pub struct CheckpointToken {
     pub(crate) id: u64,
 }
 
-/// A checkpoint's place in one shard's journal.
+/// A checkpoint's marks in one shard's structures.
 #[derive(Clone, Debug)]
 pub(crate) struct Mark {
-    pub pos: usize,
     pub token: u64,
     pub alive: Weak<CheckpointToken>,
-    /// The free indexes' places (large, small): they journal themselves (`crate::paged`).
+    pub slab: SlabMark,
+    pub live: LiveMark,
+    /// The free indexes' marks (large, small).
     pub index: [IndexMark; 2],
-    /// Segments that existed, sorted: the free indexes at the mark know nothing of the others.
-    pub segments: Arc<[SegmentId]>,
+    /// Each segment that existed, sorted: (segment, first block, free tail). Segments added
+    /// since are reset to one free block.
+    pub segments: Arc<[(SegmentId, BlockId, Option<BlockId>)]>,
     /// The block statistics then.
     pub stats: BlockStats,
 }
 
 /// A pool's state at one moment: segments, how they are split, and which blocks are live.
-/// Dropping it ends the journaling it needs: its shards forget its mark at once (each locked in
+/// Dropping it ends the logging it needs: its shards forget its mark at once (each locked in
 /// turn, so it must not be dropped while one of its pool's shards is locked).
 #[derive(Debug)]
 pub struct Checkpoint {
     pub(crate) allocator: u64,
     pub(crate) pool: PoolId,
-    pub(crate) marks: Vec<(StreamId, Weak<crate::allocator::ShardCell>, usize)>,
+    /// The shards marked: (stream, shard).
+    pub(crate) marks: Vec<(StreamId, Weak<crate::allocator::ShardCell>)>,
     pub(crate) token: Arc<CheckpointToken>,
     /// Blocks live when it was taken.
     pub live_blocks: usize,
@@ -453,9 +74,9 @@ impl Checkpoint {
 
 impl Drop for Checkpoint {
     fn drop(&mut self) {
-        // Without this, a shard would journal every change (and keep its quick cache off) until
+        // Without this, a shard would log every change (and keep its quick cache off) until
         // its next checkpoint, restore or cache release noticed the mark was dead.
-        for (_, shard, _) in &self.marks {
+        for (_, shard) in &self.marks {
             if let Some(cell) = shard.upgrade() {
                 crate::sync::lock(&cell.shard).forget_mark(self.token.id);
             }
@@ -517,59 +138,46 @@ impl std::fmt::Display for RestoreDiff {
 /// How one shard gets back to its checkpoint.
 #[derive(Debug, Default)]
 pub(crate) struct Plan {
-    /// Journal length to truncate to (`None`: the shard is newer than the checkpoint).
-    pos: Option<usize>,
-    /// Touched blocks and the journal image of their state at the checkpoint (`NO_IMAGE`: did
-    /// not exist).
-    images: Vec<(BlockId, u32)>,
-    /// Ranges that blocks changed by the restore need mapped: (segment, address, size).
-    to_map: Vec<(SegmentId, DevicePtr, u64)>,
-    /// The free indexes at the checkpoint (large, small), the segments that existed then, and
-    /// whether marks were placed after it; `None`: empty (the shard is newer).
-    index: Option<([IndexMark; 2], Arc<[SegmentId]>, bool)>,
-    /// The block statistics at the checkpoint (all zero for a shard newer than it).
-    stats: BlockStats,
-    /// Segments added since: each becomes one free block.
-    reset_segments: Vec<SegmentId>,
-    /// First blocks of segments that a restore reset since: (segment, first block then).
-    seg_firsts: Vec<(SegmentId, BlockId)>,
-    /// No block kept live: the freed / created lists are left to the apply step, which reads
-    /// every changed block anyway (or to [`Shard::plan_lists`] if the restore is refused).
-    light: bool,
-    /// Allocated now, not at the checkpoint.
-    pub freed: Vec<(DevicePtr, u64)>,
-    /// Allocated at the checkpoint, not now.
-    pub created: Vec<(DevicePtr, u64)>,
+    /// The checkpoint's token (`None`: the shard is newer than the checkpoint).
+    token: Option<u64>,
+    /// Live now, not at the checkpoint (or at another size), by address.
+    freed: Vec<LiveEntry>,
+    /// Live at the checkpoint, not now (or at another size), by address.
+    created: Vec<LiveEntry>,
 }
 
-/// What a block contributes to the statistics, page counts and maps.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct BlockShare {
-    state: BlockState,
-    addr: DevicePtr,
-    size: u64,
-    requested: u64,
-    segment: SegmentId,
-}
+impl Plan {
+    /// Allocations the restore frees: (address, size), by address.
+    pub(crate) fn freed(&self) -> impl ExactSizeIterator<Item = (DevicePtr, u64)> + '_ {
+        self.freed.iter().map(|e| (e.addr, e.size))
+    }
 
-impl BlockShare {
-    fn of(b: &Block) -> Self {
-        BlockShare {
-            state: b.state,
-            addr: b.addr,
-            size: b.size,
-            requested: b.requested,
-            segment: b.segment,
-        }
+    /// Allocations the restore re-creates: (address, size), by address.
+    pub(crate) fn created(&self) -> impl ExactSizeIterator<Item = (DevicePtr, u64)> + '_ {
+        self.created.iter().map(|e| (e.addr, e.size))
     }
 }
+
+/// Buffers kept from one restore to the next: a restore of thousands of blocks then allocates
+/// (and page-faults) nothing.
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    ops: Vec<LiveEntry>,
+    pairs: Vec<LiveEntry>,
+    freed: Vec<LiveEntry>,
+    created: Vec<LiveEntry>,
+    pages: Vec<(SegmentId, usize)>,
+}
+
+/// A shard's restore buffers (boxed: a shard that never restores carries a pointer, not them);
+/// a `RefCell` because planning reads the shard.
+pub(crate) type RestoreScratch = Box<RefCell<Scratch>>;
 
 /// The statistics that follow from the blocks alone (not from the segments), as current values:
 /// allocations, active blocks, allocated, active and requested bytes, inactive splits, oversize
 /// allocations. At the end of a restore they are exactly what they were at its mark (the blocks
 /// are; a segment added since is one free, unsplit block), so a mark keeps them and a restore
-/// sets them back, where it used to sum what every changed block took out and put in (a pass
-/// that read each block's neighbours). Totals and peaks move by the net change.
+/// sets them back. Totals and peaks move by the net change.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct BlockStats {
     /// `[small][k]`, `k` as in [`block_stat`].
@@ -634,13 +242,13 @@ impl BlockStats {
     }
 }
 
-/// Sort `v` by `key`, which must be unique and fit in `bits` bits; `tmp` is a buffer. A restore
-/// sorts thousands of addresses, and this radix sort costs a fraction of a comparison sort (with
-/// `sort_unstable` instead, half_changed/10000 took 1.77 ms instead of 1.45 ms).
+/// Sort `v` by `key`, which must fit in `bits` bits, keeping the order of equal keys; `tmp` is
+/// a buffer. A restore sorts thousands of addresses, and this radix sort costs a fraction of a
+/// comparison sort.
 fn radix_sort<T: Copy>(v: &mut Vec<T>, tmp: &mut Vec<T>, bits: u32, key: impl Fn(&T) -> u64) {
     const MAX_DIGIT: u32 = 11;
     if v.len() < 256 {
-        v.sort_unstable_by_key(|x| key(x));
+        v.sort_by_key(|x| key(x));
         return;
     }
     let passes = bits.div_ceil(MAX_DIGIT).max(1);
@@ -685,79 +293,24 @@ fn bits(x: u64) -> u32 {
     64 - x.leading_zeros()
 }
 
-/// What a changed block adds to the live-now and live-then lists: its address and size now if it
-/// is not free, then if it was allocated.
-#[inline]
-fn push_lists(
-    n: Option<BlockShare>,
-    t: Option<BlockShare>,
-    now: &mut Vec<(DevicePtr, u64)>,
-    then: &mut Vec<(DevicePtr, u64)>,
-) {
-    if let Some(n) = n
-        && n.state != BlockState::Free
-    {
-        now.push((n.addr, n.size));
-    }
-    // No block is cached while a checkpoint is alive (shard invariant 9).
-    if let Some(t) = t
-        && t.state == BlockState::Allocated
-    {
-        then.push((t.addr, t.size));
-    }
-}
-
-/// Sort the live-now and live-then lists by address and merge them into what a restore frees
-/// (live now, not then) and creates (live then, not now); `pairs` is a buffer.
-fn merge_lists(
-    now: &mut Vec<(DevicePtr, u64)>,
-    then: &mut Vec<(DevicePtr, u64)>,
-    pairs: &mut Vec<(DevicePtr, u64)>,
-    freed: &mut Vec<(DevicePtr, u64)>,
-    created: &mut Vec<(DevicePtr, u64)>,
-) {
-    sort_by_addr(now, pairs);
-    sort_by_addr(then, pairs);
-    // Addresses are unique on each side: one merge finds what differs.
-    let (mut i, mut j) = (0, 0);
-    while i < now.len() || j < then.len() {
-        let a = now.get(i).map_or(u64::MAX, |x| x.0);
-        let b = then.get(j).map_or(u64::MAX, |x| x.0);
-        if a < b || j == then.len() {
-            freed.push(now[i]);
-            i += 1;
-        } else if b < a || i == now.len() {
-            created.push(then[j]);
-            j += 1;
-        } else {
-            if now[i].1 != then[j].1 {
-                freed.push(now[i]);
-                created.push(then[j]);
-            }
-            i += 1;
-            j += 1;
-        }
-    }
-}
-
-/// Sort (address, size) pairs with unique addresses by address.
-fn sort_by_addr(v: &mut Vec<(DevicePtr, u64)>, tmp: &mut Vec<(DevicePtr, u64)>) {
+/// Sort live entries by address, keeping the order of equal addresses.
+pub(crate) fn sort_by_addr(v: &mut Vec<LiveEntry>, tmp: &mut Vec<LiveEntry>) {
     let (mut lo, mut hi, mut any) = (u64::MAX, 0, 0);
-    for &(addr, _) in v.iter() {
-        lo = lo.min(addr);
-        hi = hi.max(addr);
-        any |= addr;
+    for e in v.iter() {
+        lo = lo.min(e.addr);
+        hi = hi.max(e.addr);
+        any |= e.addr;
     }
     // Addresses are multiples of 512: drop the zero bits they share.
     let zeros = any.trailing_zeros().min(63);
-    radix_sort(v, tmp, bits(hi.saturating_sub(lo) >> zeros), |x| {
-        (x.0 - lo) >> zeros
+    radix_sort(v, tmp, bits(hi.saturating_sub(lo) >> zeros), |e| {
+        (e.addr - lo) >> zeros
     });
 }
 
 impl Shard {
     /// Place a checkpoint mark; refused while frees wait on cross-stream events.
-    pub(crate) fn add_mark(&mut self, token: &Arc<CheckpointToken>) -> Result<usize, String> {
+    pub(crate) fn add_mark(&mut self, token: &Arc<CheckpointToken>) -> Result<(), String> {
         self.prune_marks();
         if !self.pending.is_empty() || !self.deferred.is_empty() {
             return Err(format!(
@@ -766,165 +319,110 @@ impl Shard {
                 self.pending.len() + self.deferred.len()
             ));
         }
-        let pos = self.journal.len();
-        self.journal.new_window();
-        self.blocks.seal();
-        let index = [self.free_large.mark(), self.free_small.mark()];
-        let mut segments: Vec<SegmentId> = self.segments.iter().map(|(s, _)| s).collect();
-        segments.sort_unstable();
+        let mut segments: Vec<(SegmentId, BlockId, Option<BlockId>)> = self
+            .segments
+            .iter()
+            .map(|(s, seg)| (s, seg.first, seg.free_tail))
+            .collect();
+        segments.sort_unstable_by_key(|s| s.0);
         self.marks.push(Mark {
-            pos,
             token: token.id,
             alive: Arc::downgrade(token),
-            index,
+            slab: self.blocks.mark(),
+            live: self.live.mark(),
+            index: [self.free_large.mark(), self.free_small.mark()],
             segments: segments.into(),
             stats: BlockStats::of(&mut self.stats),
         });
-        self.blocks.set_hold(true);
-        Ok(pos)
+        Ok(())
     }
 
-    /// After the newest mark, only the first entry of each block (and of each segment's first
-    /// block) can matter to any mark: every mark lies before it. Dropping the later duplicates
-    /// keeps a program that switches between checkpoints forever (graph trees changing paths)
-    /// from growing the journal with every switch.
-    fn compact_journal_tail(&mut self) {
-        if let Some(start) = self.marks.iter().map(|m| m.pos).max() {
-            self.journal.dedup_from(start);
-        }
-    }
-
-    /// Undo entries kept for the live checkpoints: block entries, and free-index leaves and
-    /// directories.
+    /// Pages (and logged values) kept for the live checkpoints: of the block slab, the live map
+    /// and the free indexes.
     pub fn journal_len(&self) -> usize {
-        self.journal.len() + self.free_large.log_len() + self.free_small.log_len()
+        self.blocks.log_len()
+            + self.live.log_len()
+            + self.free_large.log_len()
+            + self.free_small.log_len()
     }
 
-    /// Forget marks whose checkpoints were dropped; with none left, stop journaling.
     /// Drop the mark of checkpoint `token` (being dropped) and any other dead one.
     pub(crate) fn forget_mark(&mut self, token: u64) {
         self.marks.retain(|m| m.token != token);
         self.prune_marks();
     }
 
+    /// Forget marks whose checkpoints were dropped, and what only they needed logged; with none
+    /// left, stop logging.
     pub(crate) fn prune_marks(&mut self) {
         self.marks.retain(|m| m.alive.strong_count() > 0);
         // Marks are in the order they were placed: the first is the oldest.
-        if let Some(first) = self.marks.first() {
-            let [large, small] = first.index;
-            self.free_large.forget_before(large);
-            self.free_small.forget_before(small);
-        }
-        if let Some(oldest) = self.marks.iter().map(|m| m.pos).min() {
-            if oldest > 0 && self.marks.iter().all(|m| m.pos >= oldest) {
-                self.journal.drain_front(oldest);
-                for m in &mut self.marks {
-                    m.pos -= oldest;
-                }
+        match self.marks.first() {
+            Some(first) => {
+                let (slab, live, [large, small]) = (first.slab, first.live, first.index);
+                self.blocks.forget_before(slab);
+                self.live.forget_before(live);
+                self.free_large.forget_before(large);
+                self.free_small.forget_before(small);
             }
-        } else {
-            self.journal.clear();
-            self.blocks.set_hold(false);
-            self.free_large.forget_all();
-            self.free_small.forget_all();
+            None => {
+                self.blocks.forget_all();
+                self.live.forget_all();
+                self.free_large.forget_all();
+                self.free_small.forget_all();
+            }
         }
     }
 
-    /// Plan the way back to mark (`pos`, `token`), or to an empty shard when `mark` is `None`
-    /// (the shard is newer than the checkpoint). `keep` are live allocations of this shard that
-    /// must survive; mismatches go to `diff`.
+    /// Plan the way back to checkpoint `token`'s mark, or to an empty shard when `token` is
+    /// `None` (the shard is newer than the checkpoint). `keep` are live allocations of this
+    /// shard that must survive; mismatches go to `diff`.
     pub(crate) fn plan_restore(
         &self,
-        mark: Option<(usize, u64)>,
+        token: Option<u64>,
         keep: &[(DevicePtr, BlockId)],
         diff: &mut RestoreDiff,
     ) -> Plan {
-        let mut plan = Plan::default();
         if !self.pending.is_empty() || !self.deferred.is_empty() {
             diff.mismatches.push(format!(
                 "stream {}: frees wait on cross-stream events; synchronize first",
                 self.stream
             ));
         }
-        let mut scratch = self.journal.scratch.borrow_mut();
+        let mut scratch = self.restore_scratch.borrow_mut();
         let sc = &mut *scratch;
-        plan.images = std::mem::take(&mut sc.images);
-        plan.to_map = std::mem::take(&mut sc.to_map);
-        plan.freed = std::mem::take(&mut sc.freed);
-        plan.created = std::mem::take(&mut sc.created);
-        let (seen, now, then, pairs) = (&mut sc.seen, &mut sc.now, &mut sc.then, &mut sc.pairs);
-        match mark {
-            Some((pos, token)) => {
-                let Some(k) = self
-                    .marks
-                    .iter()
-                    .position(|m| m.pos == pos && m.token == token)
-                else {
+        let mut plan = Plan {
+            token,
+            freed: std::mem::take(&mut sc.freed),
+            created: std::mem::take(&mut sc.created),
+        };
+        match token {
+            Some(token) => {
+                let Some(m) = self.marks.iter().find(|m| m.token == token) else {
                     diff.mismatches.push(format!(
                         "stream {}: the checkpoint's mark is gone from this shard",
                         self.stream
                     ));
                     return plan;
                 };
-                let m = &self.marks[k];
-                plan.pos = Some(pos);
-                plan.index = Some((m.index, m.segments.clone(), k + 1 < self.marks.len()));
-                plan.stats = m.stats;
-                seen.begin();
-                // Oldest first: the first entry of a block is its state at the checkpoint.
-                for e in &self.journal.entries[pos..] {
-                    let (id, img) = match *e {
-                        Entry::Image { id, img } => (id, img),
-                        Entry::Inserted(id) => (id, NO_IMAGE),
-                        Entry::SegmentAdded(seg) => {
-                            plan.reset_segments.push(seg);
-                            continue;
-                        }
-                        Entry::SegmentFirst { seg, first } => {
-                            let seg = seg as SegmentId;
-                            if !plan.seg_firsts.iter().any(|(s, _)| *s == seg) {
-                                plan.seg_firsts.push((seg, first));
-                            }
-                            continue;
-                        }
-                    };
-                    if seen.first(id, plan.images.len() as u32) {
-                        plan.images.push((id, img));
-                        self.plan_map(img, &mut plan);
-                    }
-                }
+                self.live.changes_since(
+                    m.live,
+                    &mut sc.ops,
+                    &mut sc.pairs,
+                    &mut plan.freed,
+                    &mut plan.created,
+                );
             }
             None => {
-                seen.begin();
-                for (id, _) in self.blocks.iter() {
-                    seen.first(id, plan.images.len() as u32);
-                    plan.images.push((id, NO_IMAGE));
-                }
-                plan.reset_segments = self.segments.iter().map(|(s, _)| s).collect();
+                plan.freed.extend(self.live.iter().copied());
+                sort_by_addr(&mut plan.freed, &mut sc.pairs);
             }
         }
-        // With nothing to keep live, the lists wait for the apply step.
-        plan.light = keep.is_empty();
-        if !plan.light {
-            self.lists_of(&mut plan, now, then, pairs);
-        }
-        // With no entry since the mark, every kept block is as it was at the checkpoint.
-        let keep = if plan.images.is_empty() { &[] } else { keep };
-        for &(addr, id) in keep {
-            // A block the journal does not name is as it was at the checkpoint: live then too.
-            let Some(k) = seen.get(id) else {
-                continue;
-            };
-            let size = self.blocks.get(id).map_or(0, |b| b.size);
-            let img = plan.images[k as usize].1;
-            // Its own image, unchanged and live, or another block live there then.
-            let survives = (img != NO_IMAGE && {
-                let t = &self.journal.images[img as usize];
-                t.state == BlockState::Allocated && t.addr == addr && t.size == size
-            }) || then
-                .binary_search_by_key(&addr, |x| x.0)
-                .is_ok_and(|k| then[k].1 == size);
-            if !survives {
+        // A kept allocation is live now; it survives if nothing differs at its address (it was
+        // live then at the same size).
+        for &(addr, _) in keep {
+            if let Ok(k) = plan.freed.binary_search_by_key(&addr, |e| e.addr) {
+                let size = plan.freed[k].size;
                 diff.mismatches.push(format!(
                     "{addr:#x}+{size} must stay live but the checkpoint does not have it"
                 ));
@@ -933,80 +431,23 @@ impl Shard {
         plan
     }
 
-    /// The pages that image `img` (a block's state at the checkpoint) needs mapped, if it is a
-    /// live block of a vmm segment. Ranges still mapped are skipped by [`Shard::restore_map`].
-    #[inline]
-    fn plan_map(&self, img: u32, plan: &mut Plan) {
-        if img == NO_IMAGE {
-            return;
-        }
-        let t = &self.journal.images[img as usize];
-        if t.state != BlockState::Free && self.segments.get(t.segment).is_some_and(|s| s.is_vmm()) {
-            plan.to_map.push((t.segment, t.addr, t.size));
-        }
-    }
-
-    /// What block `id`, whose state at the checkpoint is image `img`, adds to the live-now and
-    /// live-then lists. Blocks whose share did not change cancel out and are left out.
-    #[inline]
-    fn plan_block(
-        &self,
-        id: BlockId,
-        img: u32,
-        now: &mut Vec<(DevicePtr, u64)>,
-        then: &mut Vec<(DevicePtr, u64)>,
-    ) {
-        let n = self.blocks.get(id).map(BlockShare::of);
-        let t = (img != NO_IMAGE).then(|| self.journal.images[img as usize].share());
-        if n.is_some() && n == t && n.is_some_and(|n| n.state != BlockState::PendingFree) {
-            return;
-        }
-        push_lists(n, t, now, then);
-    }
-
-    /// The plan's freed / created lists, from its images; `now` and `then` keep the sorted
-    /// live-now and live-then lists (keep-live checks search `then`).
-    fn lists_of(
-        &self,
-        plan: &mut Plan,
-        now: &mut Vec<(DevicePtr, u64)>,
-        then: &mut Vec<(DevicePtr, u64)>,
-        pairs: &mut Vec<(DevicePtr, u64)>,
-    ) {
-        now.clear();
-        then.clear();
-        for &(id, img) in &plan.images {
-            self.plan_block(id, img, now, then);
-        }
-        merge_lists(now, then, pairs, &mut plan.freed, &mut plan.created);
-    }
-
-    /// A light plan's freed / created lists, before the apply step would have made them: a
-    /// refused restore reports them.
-    pub(crate) fn plan_lists(&self, plan: &mut Plan) {
-        if !plan.light {
-            return;
-        }
-        let mut scratch = self.journal.scratch.borrow_mut();
-        let sc = &mut *scratch;
-        self.lists_of(plan, &mut sc.now, &mut sc.then, &mut sc.pairs);
-        plan.light = false;
-    }
-
-    /// Map the pages that the planned live blocks need (vmm). Pages mapped here stay mapped (idle)
+    /// Map the pages that the re-created blocks need (vmm). Pages mapped here stay mapped (idle)
     /// if a later step fails, which keeps the state consistent.
     pub(crate) fn restore_map(&mut self, env: &Env<'_>, plan: &Plan) -> Result<(), ShardError> {
         let pages = PageWork::new(env.page_size(), Vec::new());
-        for &(seg, addr, size) in &plan.to_map {
+        for e in &plan.created {
             // Most ranges are mapped already (blocks that were live, then freed and not yet
             // unmapped): check them here instead of through `map_range`, which divides.
+            let (seg, addr, size) = (e.segment(), e.addr, e.size);
             let s = &self.segments[seg];
+            let SegmentKind::Vmm(pt) = &s.kind else {
+                continue;
+            };
             let (first, end) = pages.range(s.addr, addr, size);
-            if let SegmentKind::Vmm(pt) = &s.kind
-                && pt
-                    .handle
-                    .get(first..end)
-                    .is_some_and(|h| h.iter().all(Option::is_some))
+            if pt
+                .handle
+                .get(first..end)
+                .is_some_and(|h| h.iter().all(Option::is_some))
             {
                 continue;
             }
@@ -1022,255 +463,89 @@ impl Shard {
         mut plan: Plan,
         delta: &mut RestoreDelta,
     ) {
-        // Checkpoints taken after this one stay valid: the restore's own changes go into the
-        // journal like any others (undoing everything after a mark, in order, always yields the
-        // state at that mark). With no later mark, the journal is simply cut back instead.
-        let keep_marks = match plan.pos {
-            Some(pos) => self.marks.iter().any(|m| m.pos > pos),
-            None => !self.marks.is_empty(),
-        };
-        let sc = self.journal.scratch.get_mut();
-        let mut w = Work {
-            pages: PageWork::new(env.page_size(), std::mem::take(&mut sc.pages)),
-            live_out: std::mem::take(&mut sc.live_out),
-            live_in: std::mem::take(&mut sc.live_in),
-            tails: Vec::new(),
-        };
-        // A light plan's lists are made here, from the shares the pass reads anyway.
-        let (mut now_list, mut then_list) =
-            (std::mem::take(&mut sc.now), std::mem::take(&mut sc.then));
-        now_list.clear();
-        then_list.clear();
-        // One pass: each block's share goes out, the block is restored, its old share comes in.
-        // Sums of statistics, page counts and index entries do not depend on the order; what
-        // does (a live-map address or a segment's free tail that changes hands) waits for the
-        // end of the pass. Newest first: planning just read those blocks, still in the cache.
-        for &(id, img) in plan.images.iter().rev() {
-            let now = self.blocks.get(id).map(BlockShare::of);
-            let then = (img != NO_IMAGE).then(|| self.journal.images[img as usize].share());
-            // A block whose share is the same now and at the checkpoint (only its links changed)
-            // keeps its statistics, index entry and map entry: only the block itself is restored.
-            let same = now.is_some() && now == then;
-            if plan.light && !same {
-                push_lists(now, then, &mut now_list, &mut then_list);
-            }
-            if let Some(now) = now {
-                if now.state != BlockState::Free {
-                    // Blocks the restore takes back are still held by their owners (and graphs
-                    // may touch them): their memory stays mapped while the pool is in use.
-                    self.retain_pages(&mut w.pages, now.segment, now.addr, now.size);
-                }
-                if !same {
-                    self.take_out(id, now, &mut w);
-                }
-            }
-            let Some(then) = then else {
-                if let Some(gone) = self.blocks.take(id)
-                    && keep_marks
-                {
-                    self.journal.push(Undo::Removed(id, gone));
-                }
-                continue;
-            };
-            if let Some(slot) = self.blocks.get_mut(id) {
-                if keep_marks {
-                    self.journal.push_modified(id, slot);
-                }
-                self.journal.restore_into(img, slot);
-            } else {
-                self.blocks.put(id, self.journal.block(img));
-                if keep_marks {
-                    self.journal.push(Undo::Inserted(id));
-                }
-            }
-            if !same {
-                self.put_in(id, then, &mut w);
-            }
+        let sc = self.restore_scratch.get_mut();
+        let mut pages = PageWork::new(env.page_size(), std::mem::take(&mut sc.pages));
+        // vmm page counts: what stops being live comes out, what comes back goes in (at both
+        // ends every block that is not free is live: no frees wait, nothing is cached).
+        for e in &plan.freed {
+            // Blocks the restore takes back are still held by their owners (and graphs may
+            // touch them): their memory stays mapped while the pool is in use.
+            self.retain_pages(&mut pages, e.segment(), e.addr, e.size);
+            self.count_vmm_pages(&mut pages, e, -1);
         }
-        for &(seg, first) in &plan.seg_firsts {
-            if let Some(s) = self.segments.get_mut(seg) {
-                let old = std::mem::replace(&mut s.first, first);
-                if keep_marks {
-                    self.journal.push(Undo::SegmentFirst(seg, old));
-                }
-            }
+        for e in &plan.created {
+            self.count_vmm_pages(&mut pages, e, 1);
         }
-        let mut fresh = Vec::new();
-        for &seg in &plan.reset_segments {
-            let Some(s) = self.segments.get(seg) else {
-                continue;
-            };
-            let block = Block::free(s.addr, s.size, seg, None, None);
-            // The segment's first block id is vacant by now (the block was made after the mark):
-            // reusing it keeps repeated journaled restores from minting ids (an id the journal
-            // names is not reused, so each would stay in the journal and the slab).
-            let id = if self.blocks.contains(s.first) {
-                self.blocks.insert(block)
-            } else {
-                self.blocks.put(s.first, block);
-                s.first
-            };
-            let old = std::mem::replace(&mut self.segments[seg].first, id);
-            if keep_marks {
-                self.journal.push(Undo::SegmentFirst(seg, old));
-                self.journal.push(Undo::Inserted(id));
-            }
-            fresh.push(id);
-        }
-        let Work {
-            mut pages,
-            mut live_out,
-            mut live_in,
-            tails,
-        } = w;
-        // The live map in two tight loops rather than one random access per block of the pass.
-        for addr in &live_out {
-            self.live.remove(addr);
-        }
-        for &(addr, id) in &live_in {
-            self.live.insert(addr, id);
-        }
-        for id in tails {
-            let seg = self.blocks[id].segment;
-            debug_assert!(self.segments[seg].free_tail.is_none(), "two free tails");
-            self.segments[seg].free_tail = Some(id);
-        }
-        plan.stats.set(self, env);
-        let sc = self.journal.scratch.get_mut();
-        if plan.light {
-            merge_lists(
-                &mut now_list,
-                &mut then_list,
-                &mut sc.pairs,
-                &mut plan.freed,
-                &mut plan.created,
-            );
-        }
-        (sc.now, sc.then) = (now_list, then_list);
-        delta.freed.extend_from_slice(&plan.freed);
-        delta.created.extend_from_slice(&plan.created);
         self.settle_pages(&mut pages);
-        // The free indexes go back whole: their leaves changed since the mark move back, a
-        // pointer each (or, with later marks to keep, are copied back and logged).
-        match &plan.index {
-            // By placement, not by block-journal position: a later mark can share its block
-            // position with this one (nothing journaled in between) while the indexes logged
-            // changes between them (a reset segment's block, indexed by a restore that cut the
-            // block journal).
-            Some(([large, small], then, later)) => {
-                self.free_large.restore(*large, *later);
-                self.free_small.restore(*small, *later);
-                self.index_new_segments(then, &plan.reset_segments);
+        let mark = plan
+            .token
+            .and_then(|t| self.marks.iter().position(|m| m.token == t));
+        let reset: Vec<SegmentId> = match mark {
+            Some(k) => {
+                // Checkpoints taken after this one stay valid: the restore is logged like any
+                // change. With no later mark, the logged pages simply move back.
+                let later = k + 1 < self.marks.len();
+                let m = self.marks[k].clone();
+                self.blocks.restore(m.slab, later);
+                self.live.restore(m.live, later, &plan.freed, &plan.created);
+                self.free_large.restore(m.index[0], later);
+                self.free_small.restore(m.index[1], later);
+                let mut reset = Vec::new();
+                for (id, s) in self.segments.iter_mut() {
+                    match m.segments.binary_search_by_key(&id, |x| x.0) {
+                        Ok(i) => (s.first, s.free_tail) = (m.segments[i].1, m.segments[i].2),
+                        Err(_) => reset.push(id),
+                    }
+                }
+                m.stats.set(self, env);
+                reset
             }
             None => {
+                if self.marks.is_empty() {
+                    self.blocks = BlockSlab::default();
+                    self.live = LiveMap::default();
+                } else {
+                    // Later checkpoints marked this shard: emptying it is logged.
+                    let ids: Vec<BlockId> = self.blocks.iter().map(|(id, _)| id).collect();
+                    for id in ids {
+                        self.blocks.remove(id);
+                    }
+                    self.live.clear();
+                }
                 self.free_large.clear();
                 self.free_small.clear();
+                BlockStats::default().set(self, env);
+                self.segments.iter().map(|(s, _)| s).collect()
             }
-        }
-        for id in fresh {
+        };
+        // Segments added since the checkpoint: the slab at the mark has none of their blocks,
+        // and each becomes one free block (under a fresh id).
+        for seg in reset {
+            let s = &self.segments[seg];
+            let id = self
+                .blocks
+                .insert(Block::free(s.addr, s.size, seg, None, None));
+            let s = &mut self.segments[seg];
+            (s.first, s.free_tail) = (id, None);
             self.index_insert(id);
         }
+        delta.freed.extend(plan.freed());
+        delta.created.extend(plan.created());
         // Hand the buffers back for the next restore.
-        let sc = self.journal.scratch.get_mut();
-        let Plan {
-            pos,
-            mut images,
-            mut to_map,
-            mut freed,
-            mut created,
-            ..
-        } = plan;
-        images.clear();
-        to_map.clear();
-        freed.clear();
-        created.clear();
+        let sc = self.restore_scratch.get_mut();
+        plan.freed.clear();
+        plan.created.clear();
         pages.touched.clear();
-        live_in.clear();
-        live_out.clear();
-        (sc.images, sc.to_map, sc.freed, sc.created) = (images, to_map, freed, created);
-        (sc.pages, sc.live_in, sc.live_out) = (pages.touched, live_in, live_out);
-        if keep_marks {
-            self.compact_journal_tail();
-        } else {
-            match pos {
-                Some(pos) => self.journal.truncate(pos),
-                None => self.journal.clear(),
-            }
-            // Ids freed since the mark are named by no entry any more, unless an older mark's
-            // entries name them: the others can be reused, so that restoring over and over does
-            // not grow the slab.
-            self.journal.name_ids();
-            let seen = &self.journal.scratch.get_mut().seen;
-            self.blocks.release_held(|id| seen.get(id).is_some());
-        }
+        (sc.freed, sc.created, sc.pages) = (plan.freed, plan.created, pages.touched);
         self.prune_marks();
     }
 
-    /// Index the free block of each segment added since the mark that is not being reset (the
-    /// index at the mark has none of them). A segment whose addition the journal no longer
-    /// names was reset by an earlier restore that cut the journal: it is one free block now,
-    /// or the restore just put it back to one.
-    fn index_new_segments(&mut self, then: &[SegmentId], reset: &[SegmentId]) {
-        let new: Vec<BlockId> = self
-            .segments
-            .iter()
-            .filter(|(s, seg)| {
-                then.binary_search(s).is_err()
-                    && !reset.contains(s)
-                    && seg.free_tail != Some(seg.first)
-            })
-            .map(|(_, seg)| seg.first)
-            .collect();
-        for id in new {
-            let b = &self.blocks[id];
-            debug_assert!(
-                b.state == BlockState::Free && b.next().is_none(),
-                "a new segment in use"
-            );
-            let key = (b.size, b.addr, id);
-            let small = self.segments[b.segment].small;
-            self.index_mut(small).insert(key);
-        }
-    }
-
-    /// Take block `id`'s share out: its live-map entry or free tail, and its vmm page counts
-    /// (statistics are set back whole, [`BlockStats`]; the free index is put back whole).
-    fn take_out(&mut self, id: BlockId, b: BlockShare, w: &mut Work) {
-        match b.state {
-            BlockState::Free => {
-                let seg = &mut self.segments[b.segment];
-                if seg.free_tail == Some(id) {
-                    seg.free_tail = None;
-                }
-            }
-            BlockState::Allocated => w.live_out.push(b.addr),
-            // No block is cached while a checkpoint is alive (shard invariant 9).
-            BlockState::PendingFree | BlockState::Cached => {}
-        }
-        self.count_vmm_pages(b, -1, w);
-    }
-
-    /// Put restored block `id`'s share in: a segment's free tail is set at the end of the pass.
-    fn put_in(&mut self, id: BlockId, b: BlockShare, w: &mut Work) {
-        match b.state {
-            BlockState::Free => {
-                if self.is_vmm_tail(id) {
-                    w.tails.push(id);
-                }
-            }
-            BlockState::Allocated => w.live_in.push((b.addr, id)),
-            BlockState::PendingFree | BlockState::Cached => {}
-        }
-        self.count_vmm_pages(b, 1, w);
-    }
-
-    /// Page counts of a non-free block of a vmm segment.
-    fn count_vmm_pages(&mut self, b: BlockShare, sign: i32, w: &mut Work) {
-        if b.state == BlockState::Free || !self.segments.get(b.segment).is_some_and(|s| s.is_vmm())
-        {
+    /// Page counts of a live block of a vmm segment.
+    fn count_vmm_pages(&mut self, w: &mut PageWork, e: &LiveEntry, sign: i32) {
+        if !self.segments.get(e.segment()).is_some_and(|s| s.is_vmm()) {
             return;
         }
-        self.count_pages(&mut w.pages, b.segment, b.addr, b.size, sign);
+        self.count_pages(w, e.segment(), e.addr, e.size, sign);
     }
 
     /// `pages_live` for a restore: adds to the live counts and leaves the idle bits to
@@ -1291,9 +566,8 @@ impl Shard {
     }
 
     /// Idle bits of the pages whose live counts changed. Pages that fall idle remember the current
-    /// epoch, as with `pages_live`. A block only takes out what it put in, so the counts end where
-    /// one block at a time would leave them; a page idle before the restore has no block to take
-    /// out (it stays idle or turns live).
+    /// epoch, as with `pages_live`. The counts end where one block at a time would leave them; a
+    /// page idle before the restore has no block to take out (it stays idle or turns live).
     fn settle_pages(&mut self, w: &mut PageWork) {
         let epoch = self.epoch;
         for &(seg, p) in &w.touched {
@@ -1321,17 +595,6 @@ impl Shard {
         w.retained = (seg, first, end);
         Self::retain_pages_of(segment, first, end);
     }
-}
-
-/// What a restore's apply step collects on its way.
-#[derive(Debug)]
-struct Work {
-    pages: PageWork,
-    /// Live-map entries to drop, then to add: (address, block).
-    live_out: Vec<DevicePtr>,
-    live_in: Vec<(DevicePtr, BlockId)>,
-    /// Restored blocks that become their segment's free tail once the current tails are gone.
-    tails: Vec<BlockId>,
 }
 
 /// vmm page work of a restore: live counts per block, idle bits once per page at the end.

@@ -22,6 +22,7 @@
 pub mod allocator;
 pub mod arena;
 pub mod block;
+mod block_slab;
 pub mod checkpoint;
 pub mod config;
 pub mod device;
@@ -30,6 +31,7 @@ pub mod error;
 mod free_index;
 pub mod history;
 pub mod id_slab;
+mod live_map;
 mod paged;
 pub mod peak;
 pub mod peer;

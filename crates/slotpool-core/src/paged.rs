@@ -127,6 +127,18 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
         self.len
     }
 
+    /// Room for `pages` pages before the page table reallocates.
+    pub(crate) fn reserve_pages(&mut self, pages: usize) {
+        self.pages.reserve(pages);
+        self.stamp.reserve(pages);
+    }
+
+    /// Elements the page table has room for before it reallocates.
+    #[cfg(test)]
+    pub(crate) fn capacity(&self) -> usize {
+        self.pages.capacity() * P
+    }
+
     #[inline]
     pub(crate) fn get(&self, i: usize) -> Option<&T> {
         if i >= self.len {
@@ -246,6 +258,12 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
             self.log.open_window();
         }
         self.len = m.len;
+    }
+
+    /// Whether changes are logged (a mark is open).
+    #[inline]
+    pub(crate) fn logging(&self) -> bool {
+        self.log.window != 0
     }
 
     /// The oldest open mark is now `m`: entries logged before it are not needed any more.

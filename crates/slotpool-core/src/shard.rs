@@ -4,14 +4,14 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use rustc_hash::FxHashMap;
-
+use crate::block_slab::BlockSlab;
 use crate::id_slab::IdSlab;
+use crate::live_map::{LiveEntry, LiveMap};
 
 use crate::block::{
     Block, BlockId, BlockState, PageTable, Segment, SegmentId, SegmentKind, StreamUses,
 };
-use crate::checkpoint::{Journal, Mark, Undo};
+use crate::checkpoint::{Mark, RestoreScratch};
 use crate::config::GrowthMode;
 use crate::device::{DeviceError, DevicePtr, EventHandle, PageHandle, StreamId};
 use crate::env::Env;
@@ -82,7 +82,7 @@ pub struct Shard {
     pub pool: PoolId,
     pub stream: StreamId,
     pub no_split: bool,
-    pub(crate) blocks: IdSlab<Block>,
+    pub(crate) blocks: BlockSlab,
     pub(crate) segments: IdSlab<Segment>,
     pub(crate) free_small: FreeIndex,
     pub(crate) free_large: FreeIndex,
@@ -95,11 +95,13 @@ pub struct Shard {
     pub(crate) epoch: u64,
     safe_epoch: u64,
     epoch_events: VecDeque<(u64, EventHandle)>,
-    /// Undo log of block changes since the oldest live checkpoint mark (see `checkpoint.rs`).
-    pub(crate) journal: Journal,
+    /// The live checkpoints' marks, oldest first (see `checkpoint.rs`).
     pub(crate) marks: Vec<Mark>,
-    /// Allocated blocks by address: `free(ptr)` finds its block here, under the shard's lock.
-    pub(crate) live: FxHashMap<DevicePtr, BlockId>,
+    /// Buffers of restores.
+    pub(crate) restore_scratch: RestoreScratch,
+    /// Allocated (and cached) blocks by address: `free(ptr)` finds its block here, under the
+    /// shard's lock.
+    pub(crate) live: LiveMap,
     /// Segments added (true) or released (false) since the allocator last looked: (addr, size).
     pub(crate) seg_log: Vec<(DevicePtr, u64, bool)>,
     /// Bytes counted in the device-wide allocated counter beyond this shard's allocated bytes:
@@ -159,7 +161,7 @@ impl Shard {
             pool,
             stream,
             no_split,
-            blocks: IdSlab::with_capacity(32),
+            blocks: BlockSlab::default(),
             segments: IdSlab::with_capacity(8),
             free_small: FreeIndex::default(),
             free_large: FreeIndex::default(),
@@ -168,9 +170,9 @@ impl Shard {
             epoch: 1,
             safe_epoch: 0,
             epoch_events: VecDeque::new(),
-            journal: Journal::default(),
+            restore_scratch: RestoreScratch::default(),
             marks: Vec::new(),
-            live: FxHashMap::with_capacity_and_hasher(32, Default::default()),
+            live: LiveMap::default(),
             seg_log: Vec::new(),
             peak_credit: 0,
             lease,
@@ -221,7 +223,7 @@ impl Shard {
     /// The allocated block that starts at `ptr`.
     #[inline]
     pub fn lookup(&self, ptr: DevicePtr) -> Option<BlockId> {
-        let id = *self.live.get(&ptr)?;
+        let id = self.live.get(ptr)?.block();
         // The live map holds the allocated and the cached blocks (invariant 8), and an empty
         // quick cache means none is cached (9): then the block itself need not be read (a
         // restore checks thousands of kept pointers this way, each block a cache miss).
@@ -265,26 +267,10 @@ impl Shard {
         seg.is_vmm() && b.addr + b.size == seg.addr + seg.size
     }
 
-    /// True while a checkpoint of this shard is alive: block changes are journaled.
+    /// True while a checkpoint of this shard is alive: changes are logged for it.
     #[inline]
     pub(crate) fn journaling(&self) -> bool {
         !self.marks.is_empty()
-    }
-
-    /// Journal block `id`'s state before a change.
-    #[inline]
-    fn touch(&mut self, id: BlockId) {
-        // A block recorded since the newest mark is not cloned again only to be dropped.
-        if self.journaling() && !self.journal.records(id) {
-            self.journal
-                .push(Undo::Modified(id, self.blocks[id].clone()));
-        }
-    }
-
-    fn note(&mut self, u: Undo) {
-        if self.journaling() {
-            self.journal.push(u);
-        }
     }
 
     /// The free index of the small or the large pool.
@@ -518,8 +504,6 @@ impl Shard {
         let id = self.blocks.insert(Block::free(addr, size, seg, None, None));
         self.segments[seg].first = id;
         self.seg_log.push((addr, size, true));
-        self.note(Undo::SegmentAdded(seg));
-        self.note(Undo::Minted(id));
         self.index_insert(id);
         tracing::debug!(pool = ?self.pool, stream = self.stream, addr, size, "segment added");
         Ok(id)
@@ -543,11 +527,7 @@ impl Shard {
             self.index_insert(id);
             return Err(e);
         }
-        self.touch(id);
         if (vmm || !self.no_split) && env.policy.should_split(size, rounded, small, vmm) {
-            if let Some(n) = self.blocks[id].next() {
-                self.touch(n);
-            }
             let next = self.blocks[id].next();
             let rest = self.blocks.insert(Block::free(
                 addr + rounded,
@@ -556,7 +536,6 @@ impl Shard {
                 Some(id),
                 next,
             ));
-            self.note(Undo::Minted(rest));
             if let Some(n) = self.blocks[id].next() {
                 self.blocks[n].set_prev(Some(rest));
             }
@@ -571,7 +550,7 @@ impl Shard {
         let size = b.size;
         env.trace
             .record(TraceAction::Alloc, addr, requested, self.stream);
-        self.live.insert(addr, id);
+        self.live.insert(LiveEntry::new(addr, size, id, seg));
         if vmm {
             self.pages_live(env, seg, addr, size, 1);
         }
@@ -612,7 +591,11 @@ impl Shard {
     /// The user frees block `id`. It becomes free at once unless other streams used it.
     pub fn free(&mut self, env: &Env<'_>, ptr: DevicePtr) -> Result<(), ShardError> {
         // One look at the block and one at its segment: this is half of every pair.
-        let id = *self.live.get(&ptr).ok_or(ShardError::UnknownPointer)?;
+        let id = self
+            .live
+            .get(ptr)
+            .ok_or(ShardError::UnknownPointer)?
+            .block();
         let b = self.blocks.hot(id);
         if b.state != BlockState::Allocated {
             return Err(ShardError::UnknownPointer);
@@ -647,13 +630,12 @@ impl Shard {
             {
                 self.cache_block(env, id, small, vmm);
             } else {
-                self.live.remove(&ptr);
+                self.live.remove(ptr);
                 self.free_block(env, id);
             }
             return Ok(());
         }
-        self.live.remove(&ptr);
-        self.touch(id);
+        self.live.remove(ptr);
         self.blocks[id].state = BlockState::PendingFree;
         if env.capture_underway {
             self.deferred.push(id);
@@ -671,7 +653,6 @@ impl Shard {
         }
         let b = &self.blocks[id];
         if !b.stream_uses.contains(&stream) {
-            self.touch(id);
             self.blocks[id].stream_uses.push(stream);
         }
         Ok(())
@@ -680,7 +661,6 @@ impl Shard {
     /// Record one event per stream that used the block; the block is free once all complete. If
     /// an event cannot be had, fall back to deferring (retried later) rather than reuse early.
     fn insert_events(&mut self, env: &Env<'_>, id: BlockId) {
-        self.touch(id);
         let uses = self.blocks[id].stream_uses.take();
         let mut recorded = 0;
         let mut failed = Vec::new();
@@ -723,7 +703,6 @@ impl Shard {
                 Ok(true) => {
                     self.pending.remove(i);
                     env.events.put(ev);
-                    self.touch(id);
                     let b = &mut self.blocks[id];
                     b.pending_events -= 1;
                     if b.pending_events == 0 && !self.deferred.contains(&id) {
@@ -750,7 +729,6 @@ impl Shard {
                 break;
             }
             env.events.put(ev);
-            self.touch(id);
             let b = &mut self.blocks[id];
             b.pending_events -= 1;
             if b.pending_events == 0 && !self.deferred.contains(&id) {
@@ -762,7 +740,6 @@ impl Shard {
 
     /// A block returns to the free index, merging with free neighbours.
     fn free_block(&mut self, env: &Env<'_>, id: BlockId) {
-        self.touch(id);
         let (addr, size, requested, seg) = {
             let b = &mut self.blocks[id];
             b.state = BlockState::Free;
@@ -873,8 +850,7 @@ impl Shard {
 
     /// Merge cached block `id`, already out of the quick cache, back into the free index.
     fn uncache(&mut self, env: &Env<'_>, id: BlockId) {
-        self.live.remove(&self.blocks[id].addr);
-        self.touch(id);
+        self.live.remove(self.blocks[id].addr);
         if self.is_inactive_split(id) {
             let (small, size) = (
                 self.segments[self.blocks[id].segment].small,
@@ -900,21 +876,7 @@ impl Shard {
 
     /// Merge block `b` into its predecessor `a`; returns `a`.
     fn merge_into_prev(&mut self, a: BlockId, b: BlockId) -> BlockId {
-        self.touch(a);
-        if let Some(n) = self.blocks[b].next() {
-            self.touch(n);
-        }
         let gone = self.blocks.remove(b);
-        if self.journaling() {
-            if self.journal.minted_since_mark(b) {
-                // No live mark knows this id: reuse it, so that churn under a checkpoint does
-                // not grow the slab and the journal by one id a split.
-                self.blocks.unhold(b);
-            } else if !self.journal.records(b) {
-                // A block recorded since the newest mark is not cloned only to be dropped.
-                self.journal.push(Undo::Removed(b, gone.clone()));
-            }
-        }
         let blk = &mut self.blocks[a];
         blk.size += gone.size;
         blk.set_next(gone.next());
@@ -1669,11 +1631,16 @@ impl Shard {
             .iter()
             .filter(|(_, b)| matches!(b.state, BlockState::Allocated | BlockState::Cached))
             .count();
-        let wrong = self.live.iter().any(|(&a, &id)| {
-            self.blocks.get(id).is_none_or(|b| {
-                b.addr != a || !matches!(b.state, BlockState::Allocated | BlockState::Cached)
+        let wrong = self.live.iter().any(|e| {
+            self.blocks.get(e.block()).is_none_or(|b| {
+                b.addr != e.addr
+                    || b.size != e.size
+                    || b.segment != e.segment()
+                    || !matches!(b.state, BlockState::Allocated | BlockState::Cached)
             })
         });
+        self.live.check()?;
+        self.blocks.check()?;
         if allocated != self.live.len() || wrong {
             return Err(format!(
                 "8: the live map has {} entries for {allocated} allocated or cached blocks (wrong entry: {wrong})",

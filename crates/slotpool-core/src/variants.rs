@@ -80,9 +80,9 @@ impl<D: Device> Allocator<D> {
             let mut s = lock(&c.shard);
             // The checkpoint holds no cached blocks (shard invariant 9).
             s.flush_quick(&self.env(&c.pool_budget));
-            let pos = s.add_mark(&token).map_err(AllocError::InvalidState)?;
+            s.add_mark(&token).map_err(AllocError::InvalidState)?;
             live += s.stats.allocation.all().current as usize;
-            marks.push((s.stream, Arc::downgrade(c), pos));
+            marks.push((s.stream, Arc::downgrade(c)));
         }
         Ok(Checkpoint {
             allocator: self.uid,
@@ -120,7 +120,7 @@ impl<D: Device> Allocator<D> {
         }
         let _reclaim = lock(&self.reclaim);
         let mut diff = RestoreDiff::default();
-        for (stream, weak, _) in &checkpoint.marks {
+        for (stream, weak) in &checkpoint.marks {
             if weak.upgrade().is_none() {
                 diff.mismatches
                     .push(format!("stream {stream}: the shard no longer exists"));
@@ -152,8 +152,8 @@ impl<D: Device> Allocator<D> {
             let mark = checkpoint
                 .marks
                 .iter()
-                .find(|(_, w, _)| w.upgrade().is_some_and(|c| Arc::ptr_eq(&c, cell)))
-                .map(|&(_, _, pos)| (pos, checkpoint.token.id));
+                .any(|(_, w)| w.upgrade().is_some_and(|c| Arc::ptr_eq(&c, cell)))
+                .then_some(checkpoint.token.id);
             if mark.is_none() {
                 // A shard born after the checkpoint keeps no quick cache (`Shard::quick_off`)
                 // unless it raced with the checkpoint; the plan needs its blocks free or live.
@@ -162,9 +162,6 @@ impl<D: Device> Allocator<D> {
             plans.push(shard.plan_restore(mark, keep, &mut diff));
         }
         if !diff.mismatches.is_empty() || !strays.is_empty() {
-            for (shard, plan) in guards.iter().zip(plans.iter_mut()) {
-                shard.plan_lists(plan);
-            }
             drop(guards);
             for &p in &strays {
                 let owner = self.with_owner(p, |_, s| s.pool);
@@ -175,8 +172,8 @@ impl<D: Device> Allocator<D> {
             }
             // Only a refusal reports the lists: copying them on every restore cost ~5%.
             for plan in &plans {
-                diff.added.extend_from_slice(&plan.freed);
-                diff.removed.extend_from_slice(&plan.created);
+                diff.added.extend(plan.freed());
+                diff.removed.extend(plan.created());
             }
             diff.added.sort_unstable();
             diff.removed.sort_unstable();
@@ -191,8 +188,8 @@ impl<D: Device> Allocator<D> {
         }
         let plans_len = plans.len();
         let mut delta = RestoreDelta {
-            freed: Vec::with_capacity(plans.iter().map(|p| p.freed.len()).sum()),
-            created: Vec::with_capacity(plans.iter().map(|p| p.created.len()).sum()),
+            freed: Vec::with_capacity(plans.iter().map(|p| p.freed().len()).sum()),
+            created: Vec::with_capacity(plans.iter().map(|p| p.created().len()).sum()),
         };
         for ((cell, shard), plan) in cells.iter().zip(guards.iter_mut()).zip(plans) {
             let env = self.env(&cell.pool_budget);
