@@ -162,7 +162,8 @@ impl Plan {
 /// (and page-faults) nothing.
 #[derive(Debug, Default)]
 pub(crate) struct Scratch {
-    ops: Vec<LiveEntry>,
+    keys: Vec<u64>,
+    keys_tmp: Vec<u64>,
     pairs: Vec<LiveEntry>,
     freed: Vec<LiveEntry>,
     created: Vec<LiveEntry>,
@@ -245,7 +246,12 @@ impl BlockStats {
 /// Sort `v` by `key`, which must fit in `bits` bits, keeping the order of equal keys; `tmp` is
 /// a buffer. A restore sorts thousands of addresses, and this radix sort costs a fraction of a
 /// comparison sort.
-fn radix_sort<T: Copy>(v: &mut Vec<T>, tmp: &mut Vec<T>, bits: u32, key: impl Fn(&T) -> u64) {
+pub(crate) fn radix_sort<T: Copy>(
+    v: &mut Vec<T>,
+    tmp: &mut Vec<T>,
+    bits: u32,
+    key: impl Fn(&T) -> u64,
+) {
     const MAX_DIGIT: u32 = 11;
     if v.len() < 256 {
         v.sort_by_key(|x| key(x));
@@ -289,7 +295,7 @@ fn radix_sort<T: Copy>(v: &mut Vec<T>, tmp: &mut Vec<T>, bits: u32, key: impl Fn
 }
 
 /// Bits needed for `x`.
-fn bits(x: u64) -> u32 {
+pub(crate) fn bits(x: u64) -> u32 {
     64 - x.leading_zeros()
 }
 
@@ -407,8 +413,8 @@ impl Shard {
                 };
                 self.live.changes_since(
                     m.live,
-                    &mut sc.ops,
-                    &mut sc.pairs,
+                    &mut sc.keys,
+                    &mut sc.keys_tmp,
                     &mut plan.freed,
                     &mut plan.created,
                 );
@@ -467,15 +473,10 @@ impl Shard {
         let mut pages = PageWork::new(env.page_size(), std::mem::take(&mut sc.pages));
         // vmm page counts: what stops being live comes out, what comes back goes in (at both
         // ends every block that is not free is live: no frees wait, nothing is cached).
-        for e in &plan.freed {
-            // Blocks the restore takes back are still held by their owners (and graphs may
-            // touch them): their memory stays mapped while the pool is in use.
-            self.retain_pages(&mut pages, e.segment(), e.addr, e.size);
-            self.count_vmm_pages(&mut pages, e, -1);
-        }
-        for e in &plan.created {
-            self.count_vmm_pages(&mut pages, e, 1);
-        }
+        // Blocks the restore takes back are still held by their owners (and graphs may touch
+        // them): their memory stays mapped while the pool is in use.
+        self.count_pages(&mut pages, &plan.freed, -1, true);
+        self.count_pages(&mut pages, &plan.created, 1, false);
         self.settle_pages(&mut pages);
         let mark = plan
             .token
@@ -540,27 +541,39 @@ impl Shard {
         self.prune_marks();
     }
 
-    /// Page counts of a live block of a vmm segment.
-    fn count_vmm_pages(&mut self, w: &mut PageWork, e: &LiveEntry, sign: i32) {
-        if !self.segments.get(e.segment()).is_some_and(|s| s.is_vmm()) {
-            return;
-        }
-        self.count_pages(w, e.segment(), e.addr, e.size, sign);
-    }
-
-    /// `pages_live` for a restore: adds to the live counts and leaves the idle bits to
-    /// [`Shard::settle_pages`].
-    fn count_pages(&mut self, w: &mut PageWork, seg: SegmentId, addr: u64, size: u64, d: i32) {
-        let segment = &mut self.segments[seg];
-        let (first, end) = w.range(segment.addr, addr, size);
-        let SegmentKind::Vmm(pt) = &mut segment.kind else {
-            return;
-        };
-        pt.cover(end);
-        for p in first..end {
-            pt.live[p] = pt.live[p].wrapping_add_signed(d);
-            if w.touched.last() != Some(&(seg, p)) {
-                w.touched.push((seg, p));
+    /// `pages_live` for a restore, over a list of live blocks sorted by address (so blocks of
+    /// one segment come in a run): adds `d` to the live counts of their vmm pages, and leaves
+    /// the idle bits to [`Shard::settle_pages`]. With `retain`, their pages are marked
+    /// graph-retained (classic segments: the whole segment).
+    fn count_pages(&mut self, w: &mut PageWork, list: &[LiveEntry], d: i32, retain: bool) {
+        let mut k = 0;
+        while k < list.len() {
+            let seg = list[k].segment;
+            let run = list[k..]
+                .iter()
+                .position(|e| e.segment != seg)
+                .unwrap_or(list.len() - k);
+            let (blocks, seg) = (&list[k..k + run], seg as SegmentId);
+            k += run;
+            let segment = &mut self.segments[seg];
+            let SegmentKind::Vmm(pt) = &mut segment.kind else {
+                segment.retained |= retain;
+                continue;
+            };
+            let mut retained_to = 0;
+            for e in blocks {
+                let (first, end) = w.range(segment.addr, e.addr, e.size);
+                pt.cover(end);
+                for p in first..end {
+                    pt.live[p] = pt.live[p].wrapping_add_signed(d);
+                    if retain && p >= retained_to && pt.handle[p].is_some() {
+                        pt.set_retained(p, true);
+                    }
+                    if w.touched.last() != Some(&(seg, p)) {
+                        w.touched.push((seg, p));
+                    }
+                }
+                retained_to = retained_to.max(end);
             }
         }
     }
@@ -583,18 +596,6 @@ impl Shard {
             }
         }
     }
-
-    /// `retain_range` for a restore, which retains block after block of the same pages.
-    fn retain_pages(&mut self, w: &mut PageWork, seg: SegmentId, addr: u64, size: u64) {
-        let segment = &mut self.segments[seg];
-        let (first, end) = w.range(segment.addr, addr, size);
-        let (s, f, e) = w.retained;
-        if s == seg && f <= first && end <= e {
-            return;
-        }
-        w.retained = (seg, first, end);
-        Self::retain_pages_of(segment, first, end);
-    }
 }
 
 /// vmm page work of a restore: live counts per block, idle bits once per page at the end.
@@ -605,8 +606,6 @@ struct PageWork {
     shift: Option<u32>,
     /// Pages whose live counts changed (consecutive repeats left out).
     touched: Vec<(SegmentId, usize)>,
-    /// The last range `retain_pages` marked: (segment, first page, end page).
-    retained: (SegmentId, usize, usize),
 }
 
 impl PageWork {
@@ -617,7 +616,6 @@ impl PageWork {
                 .is_power_of_two()
                 .then(|| page_size.trailing_zeros()),
             touched,
-            retained: (usize::MAX, 0, 0),
         }
     }
 

@@ -105,6 +105,10 @@ pub(crate) struct Paged<T, const P: usize> {
     stamp: Vec<u64>,
     /// Pages as they were before their first change in some window: (page, image).
     log: Log<(usize, Box<[T; P]>)>,
+    /// Pages a restore replaced, kept for the next copies: dropping them read every element
+    /// of pages long out of the cache (a third of a restore of the block slab), and each copy
+    /// cost an allocation.
+    spare: Vec<Box<[T; P]>>,
 }
 
 impl<T: Clone + Default, const P: usize> Default for Paged<T, P> {
@@ -114,6 +118,7 @@ impl<T: Clone + Default, const P: usize> Default for Paged<T, P> {
             len: 0,
             stamp: Vec::new(),
             log: Log::default(),
+            spare: Vec::new(),
         }
     }
 }
@@ -165,7 +170,13 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
     #[cold]
     #[inline(never)]
     fn log_page(&mut self, p: usize) {
-        let copy = self.pages[p].clone();
+        let copy = match self.spare.pop() {
+            Some(mut page) => {
+                page.clone_from_slice(&self.pages[p][..]);
+                page
+            }
+            None => self.pages[p].clone(),
+        };
         let old = std::mem::replace(&mut self.pages[p], copy);
         self.log.entries.push((p, old));
         self.stamp[p] = self.log.window;
@@ -242,15 +253,21 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
                 self.pages[p] = self.log.entries[k].1.clone();
             }
         } else {
-            let logged = self.log.entries.split_off(start);
-            for (p, image) in logged.into_iter().rev() {
+            // At most as many spare pages as pages: memory stays within twice the vector.
+            let keep = self.pages.len().max(pages);
+            let mut entries = std::mem::take(&mut self.log.entries);
+            for (p, image) in entries.drain(start..).rev() {
                 if p < pages {
                     if p >= self.pages.len() {
                         self.grow_pages(p + 1);
                     }
-                    self.pages[p] = image;
+                    let old = std::mem::replace(&mut self.pages[p], image);
+                    if self.spare.len() < keep {
+                        self.spare.push(old);
+                    }
                 }
             }
+            self.log.entries = entries;
             self.pages.truncate(pages);
             self.stamp.truncate(pages);
             self.grow_pages(pages);
