@@ -6,7 +6,7 @@
 //! were vacant with the blocks, so ids are reused at once, checkpoint or not.
 
 use crate::block::{Block, BlockId};
-use crate::paged::{Logged, Paged, PagedMark};
+use crate::paged::{Paged, PagedMark};
 
 /// Blocks per page: 4 KiB.
 const PAGE: usize = 64;
@@ -18,7 +18,9 @@ const VACANT_PAGE: usize = 1024;
 pub(crate) struct SlabMark {
     slots: PagedMark,
     vacant: PagedMark,
-    counts: PagedMark,
+    /// The counts then: plain values, restored as they are (a logged value cost every insert
+    /// and removal a check).
+    counts: Counts,
 }
 
 /// Occupied slots and the height of the vacant stack.
@@ -37,7 +39,7 @@ pub struct BlockSlab {
     slots: Paged<Option<Block>, PAGE>,
     /// A stack of vacant ids, `[..counts.top]`; entries above it are stale.
     vacant: Paged<u32, VACANT_PAGE>,
-    counts: Logged<Counts>,
+    counts: Counts,
 }
 
 impl Default for BlockSlab {
@@ -49,14 +51,14 @@ impl Default for BlockSlab {
         BlockSlab {
             slots,
             vacant: Paged::default(),
-            counts: Logged::new(Counts::default()),
+            counts: Counts::default(),
         }
     }
 }
 
 impl BlockSlab {
     pub fn len(&self) -> usize {
-        self.counts.get().len
+        self.counts.len
     }
 
     /// Blocks the slab holds before its page table reallocates.
@@ -71,34 +73,36 @@ impl BlockSlab {
         self.slots.len()
     }
 
+    #[inline]
     pub fn insert(&mut self, b: Block) -> BlockId {
-        let c = *self.counts.get();
+        let c = self.counts;
         let id = if c.top > 0 {
-            let id = *self.vacant.get(c.top - 1).expect("vacant id") as usize;
-            *self.slots.get_mut(id).expect("vacant slot") = Some(b);
-            self.counts.get_mut().top -= 1;
+            let id = *self.vacant.at(c.top - 1) as usize;
+            *self.slots.at_mut(id) = Some(b);
+            self.counts.top -= 1;
             id
         } else {
             self.slots.push(Some(b))
         };
-        self.counts.get_mut().len += 1;
+        self.counts.len += 1;
         id
     }
 
+    #[inline]
     pub fn remove(&mut self, id: BlockId) -> Block {
         let b = self
             .slots
-            .get_mut(id)
-            .and_then(Option::take)
+            .at_mut(id)
+            .take()
             .expect("remove of a vacant slot");
-        let top = self.counts.get().top;
+        let top = self.counts.top;
         let v = u32::try_from(id).expect("block id over u32");
         if top < self.vacant.len() {
-            *self.vacant.get_mut(top).expect("stack slot") = v;
+            *self.vacant.at_mut(top) = v;
         } else {
             self.vacant.push(v);
         }
-        let c = self.counts.get_mut();
+        let c = &mut self.counts;
         c.top += 1;
         c.len -= 1;
         b
@@ -109,22 +113,18 @@ impl BlockSlab {
         self.slots.get(id)?.as_ref()
     }
 
-    #[inline]
-    pub fn get_mut(&mut self, id: BlockId) -> Option<&mut Block> {
-        self.slots.get_mut(id)?.as_mut()
-    }
-
     /// `self[id]`, inlined: for the quick cache's round trip only (inlining `Index` everywhere
     /// made the large-block paths longer).
     #[inline(always)]
     pub(crate) fn hot(&self, id: BlockId) -> &Block {
-        self.get(id).expect("vacant slot")
+        // An id of a block in use is below the length.
+        self.slots.at(id).as_ref().expect("vacant slot")
     }
 
     /// `&mut self[id]`, inlined: see [`BlockSlab::hot`].
     #[inline(always)]
     pub(crate) fn hot_mut(&mut self, id: BlockId) -> &mut Block {
-        self.get_mut(id).expect("vacant slot")
+        self.slots.at_mut(id).as_mut().expect("vacant slot")
     }
 
     pub fn contains(&self, id: BlockId) -> bool {
@@ -139,7 +139,7 @@ impl BlockSlab {
         SlabMark {
             slots: self.slots.mark(),
             vacant: self.vacant.mark(),
-            counts: self.counts.mark(),
+            counts: self.counts,
         }
     }
 
@@ -147,32 +147,29 @@ impl BlockSlab {
     pub(crate) fn restore(&mut self, m: SlabMark, journaled: bool) {
         self.slots.restore(m.slots, journaled);
         self.vacant.restore(m.vacant, journaled);
-        self.counts.restore(m.counts, journaled);
+        self.counts = m.counts;
     }
 
     pub(crate) fn forget_before(&mut self, m: SlabMark) {
         self.slots.forget_before(m.slots);
         self.vacant.forget_before(m.vacant);
-        self.counts.forget_before(m.counts);
     }
 
     pub(crate) fn forget_all(&mut self) {
         self.slots.forget_all();
         self.vacant.forget_all();
-        self.counts.forget_all();
     }
 
-    /// Pages and counts logged for the open marks.
+    /// Pages logged for the open marks.
     pub(crate) fn log_len(&self) -> usize {
-        self.slots.log_len() + self.vacant.log_len() + self.counts.log_len()
+        self.slots.log_len() + self.vacant.log_len()
     }
 
     /// Its invariants (see the type) and its storage's.
     pub(crate) fn check(&self) -> Result<(), String> {
         self.slots.check()?;
         self.vacant.check()?;
-        self.counts.check()?;
-        let c = *self.counts.get();
+        let c = self.counts;
         let occupied = self.iter().count();
         if occupied != c.len {
             return Err(format!("slab counts {} blocks, holds {occupied}", c.len));
@@ -198,14 +195,16 @@ impl BlockSlab {
 
 impl std::ops::Index<BlockId> for BlockSlab {
     type Output = Block;
+    #[inline]
     fn index(&self, id: BlockId) -> &Block {
-        self.get(id).expect("vacant slot")
+        self.hot(id)
     }
 }
 
 impl std::ops::IndexMut<BlockId> for BlockSlab {
+    #[inline]
     fn index_mut(&mut self, id: BlockId) -> &mut Block {
-        self.get_mut(id).expect("vacant slot")
+        self.hot_mut(id)
     }
 }
 

@@ -16,7 +16,7 @@ use crate::block::{BlockId, SegmentId};
 use crate::device::DevicePtr;
 use rustc_hash::FxHashMap;
 
-use crate::paged::{Logged, Paged, PagedMark};
+use crate::paged::{Paged, PagedMark};
 
 /// An allocated block as the live map knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,7 +75,8 @@ const MIN_SLOTS: usize = PAGE;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct LiveMark {
     slots: PagedMark,
-    len: PagedMark,
+    /// The length then, restored as it is.
+    len: usize,
     /// Op log position, counted from the first op ever logged.
     ops: u64,
 }
@@ -97,7 +98,7 @@ struct LiveOp {
 #[derive(Clone, Debug)]
 pub(crate) struct LiveMap {
     slots: Paged<LiveEntry, PAGE>,
-    len: Logged<usize>,
+    len: usize,
     /// Insertions and removals since the oldest open mark.
     ops: Vec<LiveOp>,
     /// Position of `ops[0]`.
@@ -117,7 +118,7 @@ impl Default for LiveMap {
         }
         LiveMap {
             slots,
-            len: Logged::new(0),
+            len: 0,
             ops: Vec::new(),
             ops_base: 0,
             window: FxHashMap::default(),
@@ -133,7 +134,7 @@ fn home(addr: DevicePtr, mask: usize) -> usize {
 
 impl LiveMap {
     pub(crate) fn len(&self) -> usize {
-        *self.len.get()
+        self.len
     }
 
     /// Slots in the table.
@@ -143,7 +144,8 @@ impl LiveMap {
 
     #[inline]
     fn slot(&self, i: usize) -> &LiveEntry {
-        self.slots.get(i).expect("slot in range")
+        // The table is whole pages: every slot below the capacity is in one.
+        self.slots.at(i)
     }
 
     /// Where `addr` is, or the empty slot that ends its probe.
@@ -175,14 +177,15 @@ impl LiveMap {
     }
 
     /// Add `e`, whose address must not be in the map.
+    #[inline]
     pub(crate) fn insert(&mut self, e: LiveEntry) {
         if (self.len() + 1) * 4 > self.capacity() * 3 {
             self.grow();
         }
         let (i, found) = self.find(e.addr);
         debug_assert!(!found, "{:#x} is live twice", e.addr);
-        *self.slots.get_mut(i).expect("slot in range") = e;
-        *self.len.get_mut() += 1;
+        *self.slots.at_mut(i) = e;
+        self.len += 1;
         if self.slots.logging() {
             self.log(LiveOp {
                 entry: e,
@@ -192,6 +195,7 @@ impl LiveMap {
     }
 
     /// Take `addr` out; returns its entry.
+    #[inline]
     pub(crate) fn remove(&mut self, addr: DevicePtr) -> Option<LiveEntry> {
         if addr == EMPTY {
             return None;
@@ -217,12 +221,12 @@ impl LiveMap {
                 hole < h || h <= j
             };
             if !stays {
-                *self.slots.get_mut(hole).expect("slot in range") = e;
+                *self.slots.at_mut(hole) = e;
                 hole = j;
             }
         }
-        *self.slots.get_mut(hole).expect("slot in range") = LiveEntry::default();
-        *self.len.get_mut() -= 1;
+        *self.slots.at_mut(hole) = LiveEntry::default();
+        self.len -= 1;
         if self.slots.logging() {
             self.log(LiveOp {
                 entry: gone,
@@ -265,7 +269,7 @@ impl LiveMap {
         let n = self.capacity();
         for i in 0..n {
             if !self.slot(i).is_empty() {
-                *self.slots.get_mut(i).expect("slot in range") = LiveEntry::default();
+                *self.slots.at_mut(i) = LiveEntry::default();
             }
         }
         for _ in 0..n {
@@ -274,7 +278,7 @@ impl LiveMap {
         // Moving entries changes no membership: nothing goes to the op log.
         for e in entries {
             let (i, _) = self.find(e.addr);
-            *self.slots.get_mut(i).expect("slot in range") = e;
+            *self.slots.at_mut(i) = e;
         }
     }
 
@@ -290,7 +294,7 @@ impl LiveMap {
         for i in 0..self.capacity() {
             let e = *self.slot(i);
             if !e.is_empty() {
-                *self.slots.get_mut(i).expect("slot in range") = LiveEntry::default();
+                *self.slots.at_mut(i) = LiveEntry::default();
                 if self.slots.logging() {
                     self.log(LiveOp {
                         entry: e,
@@ -299,14 +303,14 @@ impl LiveMap {
                 }
             }
         }
-        *self.len.get_mut() = 0;
+        self.len = 0;
     }
 
     pub(crate) fn mark(&mut self) -> LiveMark {
         self.window.clear();
         LiveMark {
             slots: self.slots.mark(),
-            len: self.len.mark(),
+            len: self.len,
             ops: self.ops_base + self.ops.len() as u64,
         }
     }
@@ -399,7 +403,7 @@ impl LiveMap {
         created: &[LiveEntry],
     ) {
         self.slots.restore(m.slots, journaled);
-        self.len.restore(m.len, journaled);
+        self.len = m.len;
         if journaled {
             let removed = freed.iter().map(|&entry| LiveOp {
                 entry,
@@ -421,7 +425,6 @@ impl LiveMap {
 
     pub(crate) fn forget_before(&mut self, m: LiveMark) {
         self.slots.forget_before(m.slots);
-        self.len.forget_before(m.len);
         let n = self.ops_start(m);
         self.ops.drain(..n);
         self.ops_base += n as u64;
@@ -429,7 +432,6 @@ impl LiveMap {
 
     pub(crate) fn forget_all(&mut self) {
         self.slots.forget_all();
-        self.len.forget_all();
         self.ops_base += self.ops.len() as u64;
         self.ops.clear();
         self.window.clear();
@@ -437,13 +439,12 @@ impl LiveMap {
 
     /// Pages, lengths and ops logged for the open marks.
     pub(crate) fn log_len(&self) -> usize {
-        self.slots.log_len() + self.len.log_len() + self.ops.len()
+        self.slots.log_len() + self.ops.len()
     }
 
     /// Its invariants (see the type) and its storage's.
     pub(crate) fn check(&self) -> Result<(), String> {
         self.slots.check()?;
-        self.len.check()?;
         let n = self.capacity();
         if !n.is_power_of_two() || n < MIN_SLOTS || !n.is_multiple_of(PAGE) {
             return Err(format!("live map of {n} slots (1)"));

@@ -152,6 +152,25 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
         Some(&self.pages[i / P][i % P])
     }
 
+    /// Element `i` of a page in use, which may lie past the length (stale or default there):
+    /// one bounds check instead of two, for callers whose indexes are always in range.
+    ///
+    /// Panics if `i` is past the last page.
+    #[inline]
+    pub(crate) fn at(&self, i: usize) -> &T {
+        &self.pages[i / P][i % P]
+    }
+
+    /// [`Paged::at`], for a change (logged first as in [`Paged::get_mut`]).
+    #[inline]
+    pub(crate) fn at_mut(&mut self, i: usize) -> &mut T {
+        let p = i / P;
+        if self.log.due(self.stamp[p]) {
+            self.log_page(p);
+        }
+        &mut self.pages[p][i % P]
+    }
+
     /// Element `i`, for a change: its page is logged first if a mark is open and the page was
     /// not logged in this window.
     #[inline]

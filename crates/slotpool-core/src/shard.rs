@@ -259,14 +259,6 @@ impl Shard {
         a.max(b).max(t).max(q)
     }
 
-    /// Whether free block `id` ends a vmm segment (and so lives in its `free_tail`).
-    #[inline]
-    pub(crate) fn is_vmm_tail(&self, id: BlockId) -> bool {
-        let b = &self.blocks[id];
-        let seg = &self.segments[b.segment];
-        seg.is_vmm() && b.addr + b.size == seg.addr + seg.size
-    }
-
     /// True while a checkpoint of this shard is alive: changes are logged for it.
     #[inline]
     pub(crate) fn journaling(&self) -> bool {
@@ -297,17 +289,26 @@ impl Shard {
         !self.segments[b.segment].is_vmm() && b.is_split()
     }
 
+    /// What the index needs of free block `id`, read once (the slab is two pointers deep):
+    /// (size, address, segment, small, whether it is an inactive split ([`Shard::is_inactive_split`]),
+    /// whether it ends its vmm segment and so lives in the segment's `free_tail`).
+    #[inline]
+    fn index_facts(&self, id: BlockId) -> (u64, DevicePtr, SegmentId, bool, bool, bool) {
+        let b = &self.blocks[id];
+        let (size, addr, seg, split) = (b.size, b.addr, b.segment, b.is_split());
+        let s = &self.segments[seg];
+        let vmm = s.is_vmm();
+        let tail = vmm && addr + size == s.addr + s.size;
+        (size, addr, seg, s.small, !vmm && split, tail)
+    }
+
     pub(crate) fn index_insert(&mut self, id: BlockId) {
-        let (size, addr, small) = {
-            let b = &self.blocks[id];
-            (b.size, b.addr, self.segments[b.segment].small)
-        };
-        if self.is_inactive_split(id) {
+        let (size, addr, seg, small, inactive_split, tail) = self.index_facts(id);
+        if inactive_split {
             self.stats.inactive_split.inc(small, 1);
             self.stats.inactive_split_bytes.inc(small, size as i64);
         }
-        if self.is_vmm_tail(id) {
-            let seg = self.blocks[id].segment;
+        if tail {
             debug_assert!(self.segments[seg].free_tail.is_none(), "two free tails");
             self.segments[seg].free_tail = Some(id);
             return;
@@ -316,15 +317,11 @@ impl Shard {
     }
 
     pub(crate) fn index_remove(&mut self, id: BlockId) {
-        let (size, addr, small) = {
-            let b = &self.blocks[id];
-            (b.size, b.addr, self.segments[b.segment].small)
-        };
-        if self.is_inactive_split(id) {
+        let (size, addr, seg, small, inactive_split, _) = self.index_facts(id);
+        if inactive_split {
             self.stats.inactive_split.dec(small, 1);
             self.stats.inactive_split_bytes.dec(small, size as i64);
         }
-        let seg = self.blocks[id].segment;
         if self.segments[seg].free_tail == Some(id) {
             self.segments[seg].free_tail = None;
             return;
