@@ -1043,8 +1043,9 @@ impl<D: Device> Allocator<D> {
     // ----------------------------------------------------------------------------------------
     // Statistics
 
-    /// Undo-journal entries that the live checkpoints of `pool` keep (host memory a checkpoint
-    /// holds: it grows with what changes in the pool while a checkpoint is alive).
+    /// Pages and live-map ops logged for the live checkpoints of `pool` (host memory a
+    /// checkpoint holds: it grows with what changes in the pool while a checkpoint is alive, and
+    /// stays bounded by the pool's pages and addresses).
     pub fn checkpoint_journal_len(&self, pool: PoolId) -> AllocResult<usize> {
         self.sum_over_pool(pool, Shard::journal_len)
     }

@@ -32,8 +32,9 @@ struct Counts {
 
 /// See the module documentation.
 ///
-/// Invariants (checked by [`BlockSlab::check`]): `vacant[..top]` are exactly the vacant slots,
-/// each once; `len` is the number of occupied slots.
+/// Invariants (checked by [`BlockSlab::check`]):
+/// 1. `counts.len` is the number of occupied slots;
+/// 2. `vacant[..counts.top]` are exactly the vacant slots, each once.
 #[derive(Clone, Debug)]
 pub struct BlockSlab {
     slots: Paged<Option<Block>, PAGE>,
@@ -172,11 +173,14 @@ impl BlockSlab {
         let c = self.counts;
         let occupied = self.iter().count();
         if occupied != c.len {
-            return Err(format!("slab counts {} blocks, holds {occupied}", c.len));
+            return Err(format!(
+                "slab counts {} blocks, holds {occupied} (1)",
+                c.len
+            ));
         }
         if c.top > self.vacant.len() || c.top != self.slots.len() - c.len {
             return Err(format!(
-                "{} vacant ids stacked for {} vacant slots",
+                "{} vacant ids stacked for {} vacant slots (2)",
                 c.top,
                 self.slots.len() - c.len
             ));
@@ -186,7 +190,7 @@ impl BlockSlab {
             let id = *self.vacant.get(k).expect("stack slot") as usize;
             if id >= stacked.len() || self.contains(id) || std::mem::replace(&mut stacked[id], true)
             {
-                return Err(format!("vacant stack names id {id} wrongly"));
+                return Err(format!("vacant stack names id {id} wrongly (2)"));
             }
         }
         Ok(())
