@@ -513,19 +513,22 @@ impl Shard {
         rounded: u64,
         requested: u64,
     ) -> Result<(BlockId, DevicePtr), ShardError> {
-        let (addr, size, seg) = {
+        // Each look at the slab is two pointers deep: read what is needed once.
+        let (addr, size, seg, next) = {
             let b = &self.blocks[id];
-            (b.addr, b.size, b.segment)
+            (b.addr, b.size, b.segment, b.next())
         };
-        let small = self.segments[seg].small;
-        let vmm = self.segments[seg].is_vmm();
+        let (small, vmm) = {
+            let s = &self.segments[seg];
+            (s.small, s.is_vmm())
+        };
         self.index_remove(id);
         if vmm && let Err(e) = self.map_range(env, seg, addr, rounded, true) {
             self.index_insert(id);
             return Err(e);
         }
-        if (vmm || !self.no_split) && env.policy.should_split(size, rounded, small, vmm) {
-            let next = self.blocks[id].next();
+        let split = (vmm || !self.no_split) && env.policy.should_split(size, rounded, small, vmm);
+        let rest = split.then(|| {
             let rest = self.blocks.insert(Block::free(
                 addr + rounded,
                 size - rounded,
@@ -533,18 +536,22 @@ impl Shard {
                 Some(id),
                 next,
             ));
-            if let Some(n) = self.blocks[id].next() {
+            if let Some(n) = next {
                 self.blocks[n].set_prev(Some(rest));
             }
-            let b = &mut self.blocks[id];
+            rest
+        });
+        let b = &mut self.blocks[id];
+        if let Some(rest) = rest {
             b.set_next(Some(rest));
             b.size = rounded;
-            self.index_insert(rest);
         }
-        let b = &mut self.blocks[id];
         b.state = BlockState::Allocated;
         b.requested = requested;
         let size = b.size;
+        if let Some(rest) = rest {
+            self.index_insert(rest);
+        }
         env.trace
             .record(TraceAction::Alloc, addr, requested, self.stream);
         self.live.insert(LiveEntry::new(addr, size, id, seg));
@@ -758,29 +765,35 @@ impl Shard {
     /// Return block `id`, already `Free` and out of every statistic of live memory, to its
     /// pages' idle counts and the free index, merged with its free neighbours.
     fn merge_free(&mut self, env: &Env<'_>, id: BlockId) {
-        let (addr, size, seg) = {
+        // Each look at the slab is two pointers deep: read the block and its neighbours once.
+        let (addr, size, seg, prev, next) = {
             let b = &self.blocks[id];
-            (b.addr, b.size, b.segment)
+            (b.addr, b.size, b.segment, b.prev(), b.next())
         };
         if self.segments[seg].is_vmm() {
             self.pages_live(env, seg, addr, size, -1);
         }
         let mut id = id;
-        if let Some(p) = self.blocks[id].prev()
-            && self.blocks[p].state == BlockState::Free
-        {
-            self.index_remove(p);
-            id = self.merge_into_prev(p, id);
+        // The merged block's neighbours: merging into `prev` keeps `next` next.
+        let (mut first_prev, mut last_next) = (prev, next);
+        if let Some(p) = prev {
+            let b = &self.blocks[p];
+            if b.state == BlockState::Free {
+                first_prev = b.prev();
+                self.index_remove(p);
+                id = self.merge_into_prev(p, id);
+            }
         }
-        if let Some(n) = self.blocks[id].next()
-            && self.blocks[n].state == BlockState::Free
-        {
-            self.index_remove(n);
-            id = self.merge_into_prev(id, n);
+        if let Some(n) = next {
+            let b = &self.blocks[n];
+            if b.state == BlockState::Free {
+                last_next = b.next();
+                self.index_remove(n);
+                id = self.merge_into_prev(id, n);
+            }
         }
         self.index_insert(id);
-        let b = &self.blocks[id];
-        if b.prev().is_none() && b.next().is_none() {
+        if first_prev.is_none() && last_next.is_none() {
             self.segments[seg].freed_at = self.free_searches;
         }
     }
