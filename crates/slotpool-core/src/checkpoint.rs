@@ -827,8 +827,8 @@ mod tests {
             a.check_invariants().unwrap();
             assert_eq!(blocks(&a), at_cp, "round {round}");
             check_delta(&delta, &now, &live);
-            // A shard made since keeps its segments (they are never released while journaling),
-            // each one free block.
+            // A shard made since keeps its segments (they are never released while a
+            // checkpoint is alive), each one free block.
             assert!(
                 blocks_on(&a, 7)
                     .iter()
@@ -857,10 +857,9 @@ mod tests {
         many_changes(GrowthMode::Classic);
     }
 
-    /// Churn and restore, over and over: block ids freed since the checkpoint are named by no
-    /// journal entry once the restore cuts the journal back, so they are reused and the slab
-    /// stops growing (it grew by about N / 2 slots per round when no id was reused while a
-    /// checkpoint was alive).
+    /// Churn and restore, over and over: the slab stays bounded (under the block journal it
+    /// grew by about N / 2 slots per round while no id was reused under a checkpoint; the paged
+    /// slab reuses ids at once and a restore brings its vacant stack back).
     #[test]
     fn restoring_over_and_over_keeps_the_slab_bounded() {
         for growth in [GrowthMode::Vmm, GrowthMode::Classic] {
@@ -887,10 +886,11 @@ mod tests {
         }
     }
 
-    /// The sequence the model test found when freed ids were reused while a checkpoint was
-    /// alive: a block freed after the first checkpoint, a segment added after the second one,
-    /// then restores in both orders. Cutting the journal back to the second checkpoint left the
-    /// new segment's reset block under an id that the first checkpoint's entries still named.
+    /// The sequence the model test found when the block journal first reused freed ids while a
+    /// checkpoint was alive: a block freed after the first checkpoint, a segment added after the
+    /// second one, then restores in both orders (cutting the journal back to the second
+    /// checkpoint left the new segment's reset block under an id that the first checkpoint's
+    /// entries still named). Kept for the paged slab, which reuses ids freely.
     #[test]
     fn ids_named_by_an_older_checkpoint_are_not_reused() {
         for growth in [GrowthMode::Classic, GrowthMode::Vmm] {
@@ -1019,10 +1019,11 @@ mod tests {
         }
     }
 
-    /// The model test's case: a restore that cut the block journal reset a new segment, a
-    /// checkpoint followed at the same journal position, and a restore of the older one had to
-    /// keep the free indexes' changes in between (the later mark is later by placement, though
-    /// not by position); restoring the later one then gives back its index.
+    /// The model test's case under the block journal: a restore that cut the journal reset a new
+    /// segment, a checkpoint followed at the same journal position, and a restore of the older
+    /// one had to keep the free indexes' changes in between (the later mark was later by
+    /// placement, though not by position); restoring the later one then gives back its index.
+    /// Marks are ordered by placement alone now; the sequence is kept.
     #[test]
     fn a_later_mark_at_the_same_journal_position_keeps_its_index() {
         for growth in [GrowthMode::Classic, GrowthMode::Vmm] {
