@@ -18,29 +18,23 @@ const VACANT_PAGE: usize = 1024;
 pub(crate) struct SlabMark {
     slots: PagedMark,
     vacant: PagedMark,
-    /// The counts then: plain values, restored as they are (a logged value cost every insert
-    /// and removal a check).
-    counts: Counts,
-}
-
-/// Occupied slots and the height of the vacant stack.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Counts {
+    /// The number of blocks then: a plain value, restored as it is (a logged value cost every
+    /// insert and removal a check).
     len: usize,
-    top: usize,
 }
 
 /// See the module documentation.
 ///
 /// Invariants (checked by [`BlockSlab::check`]):
-/// 1. `counts.len` is the number of occupied slots;
-/// 2. `vacant[..counts.top]` are exactly the vacant slots, each once.
+/// 1. `len` is the number of occupied slots;
+/// 2. `vacant[..top()]` are exactly the vacant slots, each once (so the stack's height follows
+///    from the lengths).
 #[derive(Clone, Debug)]
 pub struct BlockSlab {
     slots: Paged<Option<Block>, PAGE>,
-    /// A stack of vacant ids, `[..counts.top]`; entries above it are stale.
+    /// A stack of vacant ids, `[..top()]`; entries above it are stale.
     vacant: Paged<u32, VACANT_PAGE>,
-    counts: Counts,
+    len: usize,
 }
 
 impl Default for BlockSlab {
@@ -52,14 +46,14 @@ impl Default for BlockSlab {
         BlockSlab {
             slots,
             vacant: Paged::default(),
-            counts: Counts::default(),
+            len: 0,
         }
     }
 }
 
 impl BlockSlab {
     pub fn len(&self) -> usize {
-        self.counts.len
+        self.len
     }
 
     /// Blocks the slab holds before its page table reallocates.
@@ -76,16 +70,15 @@ impl BlockSlab {
 
     #[inline]
     pub fn insert(&mut self, b: Block) -> BlockId {
-        let c = self.counts;
-        let id = if c.top > 0 {
-            let id = *self.vacant.at(c.top - 1) as usize;
+        let top = self.top();
+        let id = if top > 0 {
+            let id = *self.vacant.at(top - 1) as usize;
             *self.slots.at_mut(id) = Some(b);
-            self.counts.top -= 1;
             id
         } else {
             self.slots.push(Some(b))
         };
-        self.counts.len += 1;
+        self.len += 1;
         id
     }
 
@@ -96,17 +89,21 @@ impl BlockSlab {
             .at_mut(id)
             .take()
             .expect("remove of a vacant slot");
-        let top = self.counts.top;
+        let top = self.top();
         let v = u32::try_from(id).expect("block id over u32");
         if top < self.vacant.len() {
             *self.vacant.at_mut(top) = v;
         } else {
             self.vacant.push(v);
         }
-        let c = &mut self.counts;
-        c.top += 1;
-        c.len -= 1;
+        self.len -= 1;
         b
+    }
+
+    /// The height of the vacant stack: one id for each vacant slot.
+    #[inline]
+    fn top(&self) -> usize {
+        self.slots.len() - self.len
     }
 
     #[inline]
@@ -140,7 +137,7 @@ impl BlockSlab {
         SlabMark {
             slots: self.slots.mark(),
             vacant: self.vacant.mark(),
-            counts: self.counts,
+            len: self.len,
         }
     }
 
@@ -148,7 +145,7 @@ impl BlockSlab {
     pub(crate) fn restore(&mut self, m: SlabMark, journaled: bool) {
         self.slots.restore(m.slots, journaled);
         self.vacant.restore(m.vacant, journaled);
-        self.counts = m.counts;
+        self.len = m.len;
     }
 
     pub(crate) fn forget_before(&mut self, m: SlabMark) {
@@ -170,23 +167,22 @@ impl BlockSlab {
     pub(crate) fn check(&self) -> Result<(), String> {
         self.slots.check()?;
         self.vacant.check()?;
-        let c = self.counts;
         let occupied = self.iter().count();
-        if occupied != c.len {
+        if occupied != self.len {
             return Err(format!(
                 "slab counts {} blocks, holds {occupied} (1)",
-                c.len
+                self.len
             ));
         }
-        if c.top > self.vacant.len() || c.top != self.slots.len() - c.len {
+        let top = self.top();
+        if top > self.vacant.len() {
             return Err(format!(
-                "{} vacant ids stacked for {} vacant slots (2)",
-                c.top,
-                self.slots.len() - c.len
+                "{top} vacant slots, {} ids on the stack (2)",
+                self.vacant.len()
             ));
         }
         let mut stacked = vec![false; self.slots.len()];
-        for k in 0..c.top {
+        for k in 0..top {
             let id = *self.vacant.get(k).expect("stack slot") as usize;
             if id >= stacked.len() || self.contains(id) || std::mem::replace(&mut stacked[id], true)
             {

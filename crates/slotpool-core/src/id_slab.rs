@@ -1,7 +1,6 @@
 //! A slab of segments: ids stay put while other entries come and go.
 
-/// `Vec<Option<T>>` plus a stack of vacant ids (entries may be stale: popping skips occupied
-/// ids).
+/// `Vec<Option<T>>` plus a stack of vacant ids.
 #[derive(Clone, Debug)]
 pub struct IdSlab<T> {
     slots: Vec<Option<T>>,
@@ -29,17 +28,8 @@ impl<T> IdSlab<T> {
         }
     }
 
-    pub fn new() -> Self {
-        Self::default()
-    }
-
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    /// Entries the slab holds before it reallocates.
-    pub fn capacity(&self) -> usize {
-        self.slots.capacity()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -47,12 +37,10 @@ impl<T> IdSlab<T> {
     }
 
     pub fn insert(&mut self, v: T) -> usize {
-        while let Some(id) = self.vacant.pop() {
-            if self.slots[id].is_none() {
-                self.slots[id] = Some(v);
-                self.len += 1;
-                return id;
-            }
+        if let Some(id) = self.vacant.pop() {
+            self.slots[id] = Some(v);
+            self.len += 1;
+            return id;
         }
         self.slots.push(Some(v));
         self.len += 1;
@@ -64,11 +52,6 @@ impl<T> IdSlab<T> {
         self.len -= 1;
         self.vacant.push(id);
         v
-    }
-
-    /// Slots, vacant or not (the slab's memory grows with this).
-    pub fn capacity_ids(&self) -> usize {
-        self.slots.len()
     }
 
     pub fn get(&self, id: usize) -> Option<&T> {
