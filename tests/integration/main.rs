@@ -5,6 +5,7 @@ mod gc;
 mod model;
 mod peaks;
 mod quick;
+mod races;
 mod retained;
 mod scenarios;
 mod stress;

@@ -9,7 +9,7 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
 use rustc_hash::FxHashMap;
 
@@ -319,20 +319,27 @@ impl<D: Device> Allocator<D> {
             })
             .ok()
             .flatten();
-        let result = match fast {
+        let mut result = match fast {
             Some(r) => r,
             None => {
                 let cell = self.shard_for(pool, stream)?;
                 self.alloc_on(&cell, rounded, size)
             }
         };
-        match result {
-            Ok(addr) => Ok(addr),
-            Err(ShardError::OutOfMemory) => {
-                let cell = self.shard_for(pool, stream)?;
-                self.alloc_after_oom(cell, pool, stream, rounded, size)
+        loop {
+            match result {
+                Ok(addr) => return Ok(addr),
+                // The shard was forgotten between finding it and locking it: the table has
+                // (or makes) its successor.
+                Err(ShardError::Retired) => {
+                    let cell = self.refresh_shard(pool, stream)?;
+                    result = self.alloc_on(&cell, rounded, size);
+                }
+                Err(ShardError::OutOfMemory) => {
+                    return self.alloc_after_oom(pool, stream, rounded, size);
+                }
+                Err(e) => return Err(shard_error(e)),
             }
-            Err(e) => Err(shard_error(e)),
         }
     }
 
@@ -421,13 +428,15 @@ impl<D: Device> Allocator<D> {
     /// cached byte on the device, retry; then fail with a report.
     fn alloc_after_oom(
         &self,
-        cell: ShardRef,
         pool: PoolId,
         stream: StreamId,
         rounded: u64,
         size: u64,
     ) -> AllocResult<DevicePtr> {
         let _reclaim = lock(&self.reclaim);
+        // Shards are retired only under `reclaim`: the one looked up now stays in the table
+        // until this returns.
+        let cell = self.refresh_shard(pool, stream)?;
         let attempt = |cell: &ShardRef| self.alloc_on(cell, rounded, size);
         // 1. This shard's own cache.
         self.release_on(pool, &cell, false, true);
@@ -645,6 +654,25 @@ impl<D: Device> Allocator<D> {
         Ok(cell)
     }
 
+    /// The shard of (pool, stream) from the table itself (created if missing), cached for the
+    /// calling thread: after a [`ShardError::Retired`], whose shard the cache may still name.
+    fn refresh_shard(&self, pool: PoolId, stream: StreamId) -> AllocResult<ShardRef> {
+        let generation = self.generation.load(Ordering::Acquire);
+        let cell = self.shard_for_slow(pool, stream)?;
+        let _ = LAST_SHARD.try_with(|c| {
+            *c.borrow_mut() = Some(CachedShard {
+                allocator: self.uid,
+                generation,
+                pool,
+                stream,
+                shard: cell.clone(),
+            })
+        });
+        Ok(cell)
+    }
+
+    /// The table's shard of (pool, stream), created if missing. A shard in the table is never
+    /// retired (see [`Allocator::drop_empty_shards`]).
     fn shard_for_slow(&self, pool: PoolId, stream: StreamId) -> AllocResult<ShardRef> {
         let pools = lock(&self.pools);
         let entry = pools.get(&pool).ok_or(AllocError::UnknownPool(pool))?;
@@ -686,8 +714,17 @@ impl<D: Device> Allocator<D> {
             .collect()
     }
 
-    /// Forget empty shards of `pool` (or of every freeable pool); invalidates thread caches.
-    pub(crate) fn drop_empty_shards(&self, pool: Option<PoolId>) {
+    /// Forget the empty shards of private pools (of `pool` only, if given) that no live
+    /// checkpoint marked; invalidates thread caches.
+    ///
+    /// The protocol with allocation: a shard leaves the table under the table's lock and its own,
+    /// and is marked [`Shard::retired`] in the same critical section. A thread that found the
+    /// shard before (its cached shard, or a lookup that released the table's lock) locks it
+    /// next, sees the mark and looks (pool, stream) up again; so no segment is ever added to a
+    /// shard outside the table, and the segment registry names only shards in it. Called under
+    /// `reclaim` (the guard proves it), which checkpoints, restores and the OOM ladder also
+    /// hold: no shard they have looked up is retired under them.
+    pub(crate) fn drop_empty_shards(&self, _reclaim: &MutexGuard<'_, ()>, pool: Option<PoolId>) {
         let mut shards = lock(&self.shards);
         let before = shards.len();
         shards.retain(|&(p, _), cell| {
@@ -695,11 +732,13 @@ impl<D: Device> Allocator<D> {
                 return true;
             }
             let mut s = lock(&cell.shard);
-            if !s.is_empty() {
+            // A live checkpoint's shard stays: restoring it needs its marks.
+            if !s.is_empty() || s.has_live_mark() {
                 return true;
             }
             s.settle_credit(&self.env(&cell.pool_budget));
             self.shared.allocated.end_lease(&s.lease);
+            s.retired = true;
             false
         });
         if shards.len() != before {
@@ -981,11 +1020,11 @@ impl<D: Device> Allocator<D> {
     /// device (`torch.cuda.empty_cache`). Pools in use keep their graph-retained memory (live
     /// graphs may touch it) and release the rest.
     pub fn empty_cache(&self) {
-        let _reclaim = lock(&self.reclaim);
+        let reclaim = lock(&self.reclaim);
         let synced = !self.capture_underway() && self.dev.synchronize().is_ok();
         self.release_all_cached(synced, false);
         self.release_page_pool();
-        self.forget_freeable_pools();
+        self.forget_freeable_pools(&reclaim);
     }
 
     /// `empty_cache` for one pool; a pool in use keeps its graph-retained memory.
@@ -993,13 +1032,13 @@ impl<D: Device> Allocator<D> {
         if !lock(&self.pools).contains_key(&pool) {
             return Err(AllocError::UnknownPool(pool));
         }
-        let _reclaim = lock(&self.reclaim);
+        let reclaim = lock(&self.reclaim);
         let synced = !self.capture_underway() && self.dev.synchronize().is_ok();
         for cell in self.pool_shards(pool) {
             self.release_on(pool, &cell, synced, false);
         }
         self.release_page_pool();
-        self.forget_freeable_pools();
+        self.forget_freeable_pools(&reclaim);
         Ok(())
     }
 
@@ -1030,13 +1069,16 @@ impl<D: Device> Allocator<D> {
         }
     }
 
-    /// Forget freeable pools that hold nothing any more.
-    fn forget_freeable_pools(&self) {
-        self.drop_empty_shards(None);
+    /// Forget freeable pools that hold nothing any more and that no live checkpoint needs.
+    fn forget_freeable_pools(&self, reclaim: &MutexGuard<'_, ()>) {
+        self.drop_empty_shards(reclaim, None);
         let mut pools = lock(&self.pools);
         let shards = lock(&self.shards);
         pools.retain(|id, e| {
-            id.is_default() || e.use_count > 0 || shards.keys().any(|(p, _)| p == id)
+            id.is_default()
+                || e.use_count > 0
+                || e.checkpoints.iter().any(|c| c.strong_count() > 0)
+                || shards.keys().any(|(p, _)| p == id)
         });
     }
 
@@ -1378,6 +1420,7 @@ pub(crate) fn shard_error(e: ShardError) -> AllocError {
         ShardError::UnknownPointer => AllocError::InvalidState("unknown pointer".into()),
         ShardError::NotVmm => AllocError::InvalidState("not a vmm segment".into()),
         ShardError::PageNotMapped => AllocError::InvalidState("page not mapped".into()),
+        ShardError::Retired => AllocError::InvalidState("the shard was forgotten".into()),
     }
 }
 

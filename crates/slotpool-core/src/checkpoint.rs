@@ -343,6 +343,12 @@ impl Shard {
         Ok(())
     }
 
+    /// Whether a checkpoint that marked this shard is alive: the shard then stays in its
+    /// allocator's table even when empty, so that the checkpoint can always be restored.
+    pub(crate) fn has_live_mark(&self) -> bool {
+        self.marks.iter().any(|m| m.alive.strong_count() > 0)
+    }
+
     /// Pages (and logged values) kept for the live checkpoints: of the block slab, the live map
     /// and the free indexes.
     pub fn journal_len(&self) -> usize {
@@ -753,7 +759,21 @@ mod tests {
         blocks_on(a, 0)
     }
 
-    type Live = BTreeSet<(DevicePtr, u64)>;
+    /// Live allocations: (address, size, which allocation), the last unique per allocation
+    /// made, so that an address freed and allocated again at its size counts as another one.
+    type Live = BTreeSet<(DevicePtr, u64, u64)>;
+
+    static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+    fn alloc_live(a: &Allocator<Dev>, size: u64, stream: StreamId) -> (DevicePtr, u64, u64) {
+        let p = a.alloc_in(POOL, size, stream).unwrap();
+        (p, size, ALLOCATIONS.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// (address, size) of a set of live allocations, in order.
+    fn pairs<'a>(v: impl IntoIterator<Item = &'a (DevicePtr, u64, u64)>) -> Vec<(DevicePtr, u64)> {
+        v.into_iter().map(|&(p, s, _)| (p, s)).collect()
+    }
 
     /// An allocator in `growth` mode with [`POOL`] created.
     fn with_pool(growth: GrowthMode) -> Allocator<Dev> {
@@ -772,9 +792,9 @@ mod tests {
     /// `2 * N` allocations of which every second one is freed again: N live blocks, N holes.
     fn holes(growth: GrowthMode) -> (Allocator<Dev>, Live) {
         let a = with_pool(growth);
-        let all: Vec<(DevicePtr, u64)> = (0..2 * N as u64)
+        let all: Vec<(DevicePtr, u64, u64)> = (0..2 * N as u64)
             .map(|i| 512 * (1 + (i * 7) % 64))
-            .map(|size| (a.alloc_in(POOL, size, 0).unwrap(), size))
+            .map(|size| alloc_live(&a, size, 0))
             .collect();
         let mut live = Live::new();
         for (i, x) in all.into_iter().enumerate() {
@@ -791,24 +811,22 @@ mod tests {
     /// checkpoint does not have when `new_stream`) on stream 7. Returns the live set after.
     fn churn(a: &Allocator<Dev>, live: &Live, step: usize, salt: u64, new_stream: bool) -> Live {
         let mut now = live.clone();
-        for &(p, size) in live.iter().step_by(step) {
-            a.free(p).unwrap();
-            now.remove(&(p, size));
+        for x in live.iter().step_by(step) {
+            a.free(x.0).unwrap();
+            now.remove(x);
         }
         for i in 0..(N / step) as u64 {
             let size = 512 * (1 + (i * 13 + salt) % 64);
             let stream = if new_stream && i % 3 == 0 { 7 } else { 0 };
-            now.insert((a.alloc_in(POOL, size, stream).unwrap(), size));
+            now.insert(alloc_live(a, size, stream));
         }
         now
     }
 
     /// The delta turns the live set `before` into `after`.
     fn check_delta(delta: &super::RestoreDelta, before: &Live, after: &Live) {
-        let freed: Live = before.difference(after).copied().collect();
-        let created: Live = after.difference(before).copied().collect();
-        assert_eq!(delta.freed, freed.into_iter().collect::<Vec<_>>());
-        assert_eq!(delta.created, created.into_iter().collect::<Vec<_>>());
+        assert_eq!(delta.freed, pairs(before.difference(after)));
+        assert_eq!(delta.created, pairs(after.difference(before)));
     }
 
     /// Restores where most blocks changed (free-index rebuilds, radix sorts), repeated (buffers
@@ -943,8 +961,7 @@ mod tests {
             Err(AllocError::CheckpointMismatch(diff)) => {
                 assert_eq!(diff.mismatches.len(), 1, "{diff}");
                 assert!(diff.mismatches[0].starts_with(&format!("{new:#x}+")));
-                let added: Live = now.difference(&live).copied().collect();
-                assert_eq!(diff.added, added.into_iter().collect::<Vec<_>>());
+                assert_eq!(diff.added, pairs(now.difference(&live)));
             }
             other => panic!("restore kept a block the checkpoint lacks: {other:?}"),
         }

@@ -36,6 +36,9 @@ pub enum ShardError {
     NotVmm,
     /// A page operation named a page that is not mapped.
     PageNotMapped,
+    /// The allocator forgot this shard (it was empty; see `Shard::retired`); the caller looks
+    /// its (pool, stream) up again.
+    Retired,
 }
 
 impl From<DeviceError> for ShardError {
@@ -126,6 +129,11 @@ pub struct Shard {
     /// Allocations that searched the free index: the clock of garbage collection's ages
     /// (PyTorch's `get_free_blocks_call_count`).
     free_searches: u64,
+    /// The allocator's shard table forgot this shard, empty, under its lock: a thread that
+    /// found it just before (a cached reference, a lookup a moment earlier) must not give it
+    /// memory that no table knows. Allocation past the quick cache refuses with
+    /// [`ShardError::Retired`]; the quick cache of an empty shard is empty.
+    pub(crate) retired: bool,
     pub stats: MemoryStats,
 }
 
@@ -180,6 +188,7 @@ impl Shard {
             quick_off: false,
             quick_credit: QUICK_CREDIT_MAX,
             free_searches: 0,
+            retired: false,
             stats,
         }
     }
@@ -386,6 +395,9 @@ impl Shard {
         rounded: u64,
         requested: u64,
     ) -> Result<(BlockId, DevicePtr), ShardError> {
+        if self.retired {
+            return Err(ShardError::Retired);
+        }
         if !env.capture_underway && (!self.pending.is_empty() || !self.deferred.is_empty()) {
             self.process_events(env);
         }
