@@ -2,6 +2,7 @@
 
 mod common;
 mod gc;
+mod lifetimes;
 mod model;
 mod peaks;
 mod quick;

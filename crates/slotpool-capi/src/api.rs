@@ -461,9 +461,8 @@ pub extern "C" fn sp_set_memory_fraction(device: c_int, fraction: f64) -> sp_sta
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_set_memory_limit(device: c_int, bytes: u64) -> sp_status {
     ffi(|| {
-        let d = runtime()?.device(device)?;
-        let bytes = if bytes == 0 { d.total_memory() } else { bytes };
-        each!(d, a => a.set_memory_limit(bytes));
+        // 0 is no cap: the core gives a zero limit that one meaning.
+        each!(runtime()?.device(device)?, a => a.set_memory_limit(bytes));
         Ok(())
     })
 }

@@ -185,7 +185,10 @@ impl<D: Device> Allocator<D> {
     }
 
     fn limit_for(config: &Config, total: u64) -> u64 {
-        let mut limit = config.memory_limit.unwrap_or(total);
+        let mut limit = config
+            .memory_limit
+            .and_then(crate::config::limit_from_bytes)
+            .unwrap_or(total);
         if let Some(f) = config.memory_fraction {
             limit = limit.min((total as f64 * f) as u64);
         }
@@ -215,9 +218,11 @@ impl<D: Device> Allocator<D> {
         Ok(())
     }
 
-    /// Cap physical memory at `bytes`.
+    /// Cap physical memory at `bytes`; 0 removes the cap (the device's total memory), as
+    /// `memory_limit_mb:0` does ([`crate::config::limit_from_bytes`]).
     pub fn set_memory_limit(&self, bytes: u64) {
-        self.shared.budget.set_limit(bytes);
+        let limit = crate::config::limit_from_bytes(bytes).unwrap_or(self.dev.total_memory());
+        self.shared.budget.set_limit(limit);
     }
 
     /// The cap on physical memory in force.
@@ -768,16 +773,24 @@ impl<D: Device> Allocator<D> {
                 "the default pool always exists".into(),
             ));
         }
-        let mut pools = lock(&self.pools);
+        Ok(Self::incref_locked(&mut lock(&self.pools), id, options))
+    }
+
+    /// `create_or_incref_pool` on the locked pool table; returns the new use count.
+    fn incref_locked(
+        pools: &mut FxHashMap<PoolId, PoolEntry>,
+        id: PoolId,
+        options: PoolOptions,
+    ) -> u64 {
         let e = pools.entry(id).or_insert_with(|| PoolEntry {
             name: None,
             use_count: 0,
-            options: options.clone(),
             budget: Arc::new(Budget::new(options.limit.unwrap_or(u64::MAX))),
+            options,
             checkpoints: Vec::new(),
         });
         e.use_count += 1;
-        Ok(e.use_count)
+        e.use_count
     }
 
     /// The pool named `name`, created (use count 1) if it does not exist, else given one more use.
@@ -794,10 +807,17 @@ impl<D: Device> Allocator<D> {
             e.use_count += 1;
             return Ok(*id);
         }
-        let id = PoolId(
-            0,
-            (1 << 63) | self.next_named_pool.fetch_add(1, Ordering::Relaxed),
-        );
+        // The next id in the named range that no pool has: a user pool may have taken one
+        // (`create_or_incref_pool` accepts any id), and it stays that pool's.
+        let id = loop {
+            let id = PoolId(
+                0,
+                (1 << 63) | self.next_named_pool.fetch_add(1, Ordering::Relaxed),
+            );
+            if !pools.contains_key(&id) {
+                break id;
+            }
+        };
         pools.insert(
             id,
             PoolEntry {
@@ -846,6 +866,12 @@ impl<D: Device> Allocator<D> {
 
     /// Drop one use of a pool (`releasePool`). At zero the pool is freeable: its cached memory
     /// returns on `empty_cache` or under memory pressure, and it is forgotten once empty.
+    ///
+    /// The last use of a pool that a route still sends allocations to is not released
+    /// ([`AllocError::InvalidState`], nothing changes): the route took a use of its own
+    /// ([`Allocator::begin_allocate_to_pool`]), and a pool forgotten under an active route would
+    /// fail every allocation the route takes. End the route first, as PyTorch's `MemPool`
+    /// cannot be dropped inside its own `use_mem_pool` block.
     pub fn release_pool(&self, id: PoolId) -> AllocResult<u64> {
         if id.is_default() {
             return Err(AllocError::InvalidArgument(
@@ -857,6 +883,12 @@ impl<D: Device> Allocator<D> {
         if e.use_count == 0 {
             return Err(AllocError::InvalidState(format!(
                 "pool {id} was already released"
+            )));
+        }
+        if e.use_count == 1 && lock(&self.routes).iter().any(|r| r.pool == id) {
+            return Err(AllocError::InvalidState(format!(
+                "pool {id} has an active route (begin_allocate_to_pool): end the route before \
+                 releasing the pool's last use"
             )));
         }
         e.use_count -= 1;
@@ -947,13 +979,16 @@ impl<D: Device> Allocator<D> {
                 "cannot route to the default pool".into(),
             ));
         }
+        // Lock order: pools, then routes (`release_pool` reads the routes under the pools).
+        let mut pools = lock(&self.pools);
         let mut routes = lock(&self.routes);
         if routes.iter().any(|r| r.pool == pool) {
             return Err(AllocError::InvalidState(format!(
                 "already recording to pool {pool}"
             )));
         }
-        self.create_or_incref_pool(pool, PoolOptions::default())?;
+        Self::incref_locked(&mut pools, pool, PoolOptions::default());
+        drop(pools);
         if matches!(filter, RouteFilter::Capture(_)) {
             self.captures_active.fetch_add(1, Ordering::AcqRel);
         }
@@ -1180,11 +1215,14 @@ impl<D: Device> Allocator<D> {
         self.num_ooms.store(0, Ordering::Relaxed);
     }
 
-    /// The largest cached free block (`cacheInfo`, used by cuDNN benchmark).
+    /// The largest request the cache serves without new physical memory (`cacheInfo`, used by
+    /// cuDNN benchmark): the largest cached free block, vmm blocks up to their first unmapped
+    /// page ([`Shard::largest_free`]).
     pub fn largest_free_block(&self) -> u64 {
+        let ps = self.shared.page_size;
         self.all_shards()
             .values()
-            .map(|c| lock(&c.shard).largest_free())
+            .map(|c| lock(&c.shard).largest_free(ps))
             .max()
             .unwrap_or(0)
     }

@@ -19,7 +19,8 @@ pub enum GrowthMode {
 pub struct Config {
     pub growth: GrowthMode,
     pub policy: SizePolicy,
-    /// Hard cap on physical bytes held (`None`: the device's memory).
+    /// Hard cap on physical bytes held (`None`: the device's memory). `memory_limit_mb:0` is
+    /// `None`, as `Allocator::set_memory_limit(0)` removes the cap ([`limit_from_bytes`]).
     pub memory_limit: Option<u64>,
     /// Cap as a fraction of device memory (`set_per_process_memory_fraction`).
     pub memory_fraction: Option<f64>,
@@ -70,6 +71,20 @@ pub struct ConfigError(pub String);
 
 const MIB: u64 = 1 << 20;
 
+/// Largest value of a `*_mb` key: 2^36 MiB, the 2^56 bytes of `MAX_REQUEST`. Anything above is
+/// no size a device has (and near 2^44 MiB, no byte count a `u64` holds).
+pub const MAX_MIB: u64 = crate::allocator::MAX_REQUEST / MIB;
+
+/// Largest `roundup_power2_divisions` value: above it, no request up to `MAX_REQUEST` is large
+/// enough to be divided (rounding divides sizes above 512 bytes times the divisions).
+pub const MAX_DIVISIONS: u64 = crate::allocator::MAX_REQUEST / 512;
+
+/// The cap a memory limit of `bytes` sets: 0 is no cap (`None`), anything else that many bytes.
+/// The one meaning of a zero limit, for `memory_limit_mb` and `Allocator::set_memory_limit`.
+pub fn limit_from_bytes(bytes: u64) -> Option<u64> {
+    (bytes != 0).then_some(bytes)
+}
+
 impl Config {
     /// The keys [`Config::apply`] accepts.
     pub const KEYS: &'static [&'static str] = &[
@@ -109,9 +124,13 @@ impl Config {
     fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
         let bad = |what: &str| ConfigError(format!("{key}: {what} (got {value:?})"));
         let mb = |v: &str| -> Result<u64, ConfigError> {
-            v.parse::<u64>()
-                .map_err(|_| bad("expected a whole number of MiB"))
-                .map(|n| n * MIB)
+            let n = v
+                .parse::<u64>()
+                .map_err(|_| bad("expected a whole number of MiB"))?;
+            if n > MAX_MIB {
+                return Err(bad(&format!("at most {MAX_MIB} MiB")));
+            }
+            Ok(n * MIB)
         };
         match key {
             "growth" => {
@@ -149,7 +168,7 @@ impl Config {
                 }
                 self.policy.large_segment_size = v;
             }
-            "memory_limit_mb" => self.memory_limit = Some(mb(value)?),
+            "memory_limit_mb" => self.memory_limit = limit_from_bytes(mb(value)?),
             "vmm_reservation_mb" => {
                 let v = mb(value)?;
                 if v == 0 {
@@ -249,7 +268,9 @@ fn split_pairs(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
 /// plain list `[1,2,4,...]` per bucket. Values are powers of two or 0.
 fn parse_divisions(v: &str) -> Result<[u64; ROUNDUP_BUCKETS], String> {
     let check = |d: u64| {
-        if d == 0 || d.is_power_of_two() {
+        if d > MAX_DIVISIONS {
+            Err(format!("{d} is above {MAX_DIVISIONS}"))
+        } else if d == 0 || d.is_power_of_two() {
             Ok(d)
         } else {
             Err(format!("{d} is not a power of two"))
@@ -361,7 +382,57 @@ mod tests {
             );
         }
         assert!(Config::parse("vmm_slack_base_mb:-1").is_err());
+        assert!(Config::parse("roundup_power2_divisions:[>:1152921504606846976]").is_err());
+        assert!(Config::parse(&format!("roundup_power2_divisions:{MAX_DIVISIONS}")).is_ok());
         assert!(Config::parse("vmm_slack_base_mb:2000000").is_err());
         assert!(Config::parse("").is_ok());
+    }
+
+    /// MiB values whose bytes overflow (2^44 MiB is 2^64 bytes) or exceed `MAX_MIB` are refused
+    /// by every `*_mb` key, naming it, and change nothing; they once wrapped (2^44 MiB to a
+    /// 0-byte limit, 2^44 + 20 MiB to a 20 MiB split size).
+    #[test]
+    fn mib_values_that_overflow_are_refused_by_every_key() {
+        let keys: Vec<&str> = Config::KEYS
+            .iter()
+            .copied()
+            .filter(|k| k.ends_with("_mb"))
+            .collect();
+        assert_eq!(keys.len(), 7, "{keys:?}");
+        for key in keys {
+            for v in [
+                "17592186044416",
+                "17592186044436",
+                "18446744073709551615",
+                &(MAX_MIB + 1).to_string(),
+            ] {
+                let mut c = Config::default();
+                let e = c.apply(&format!("{key}:{v}")).unwrap_err();
+                assert!(
+                    e.0.starts_with(key) && e.0.contains("at most"),
+                    "{key}:{v}: {e}"
+                );
+                assert_eq!(c, Config::default(), "{key}:{v}");
+            }
+        }
+        let c = Config::parse(&format!("memory_limit_mb:{MAX_MIB}")).unwrap();
+        assert_eq!(c.memory_limit, Some(MAX_MIB * MIB));
+        let c = Config::parse(&format!("max_split_size_mb:{MAX_MIB}")).unwrap();
+        assert_eq!(c.policy.max_split_size, MAX_MIB * MIB);
+    }
+
+    /// A zero limit is no limit, in a configuration string as in `set_memory_limit(0)`.
+    #[test]
+    fn a_zero_memory_limit_is_no_limit() {
+        assert_eq!(
+            Config::parse("memory_limit_mb:0").unwrap().memory_limit,
+            None
+        );
+        assert_eq!(limit_from_bytes(0), None);
+        assert_eq!(limit_from_bytes(1), Some(1));
+        assert_eq!(
+            Config::parse("memory_limit_mb:1").unwrap().memory_limit,
+            Some(MIB)
+        );
     }
 }

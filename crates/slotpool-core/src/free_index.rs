@@ -558,6 +558,7 @@ impl FreeIndex {
     }
 
     /// The largest key.
+    #[cfg(test)]
     pub(crate) fn last(&self) -> Option<FreeKey> {
         let meta = self.meta();
         if meta.nonempty == 0 {
@@ -569,7 +570,6 @@ impl FreeIndex {
     }
 
     /// Every key, in order.
-    #[cfg(test)]
     pub(crate) fn iter(&self) -> impl Iterator<Item = FreeKey> + '_ {
         self.meta().leaves.iter().flat_map(|&id| {
             let leaf = self.leaf(id);

@@ -253,19 +253,40 @@ impl Shard {
             .count()
     }
 
-    /// The largest free block (`cacheInfo`).
-    pub fn largest_free(&self) -> u64 {
-        let a = self.free_small.last().map_or(0, |k| k.0);
-        let b = self.free_large.last().map_or(0, |k| k.0);
-        let t = self
-            .segments
+    /// The largest request this shard's cache serves without new physical memory (`cacheInfo`):
+    /// the largest free or cached block, where a vmm block counts only its mapped prefix (an
+    /// allocation starts at its block's address, so an unmapped page cuts it off there). This
+    /// is PyTorch's meaning, whose expandable segments keep unmapped space out of the free
+    /// blocks. Costs O(free blocks).
+    pub fn largest_free(&self, page_size: u64) -> u64 {
+        let tails = self.segments.iter().filter_map(|(_, s)| s.free_tail);
+        let free = self
+            .free_small
             .iter()
-            .filter_map(|(_, s)| s.free_tail)
-            .map(|id| self.blocks[id].size)
+            .chain(self.free_large.iter())
+            .map(|(_, _, id)| id)
+            .chain(tails)
+            .map(|id| self.mapped_prefix(page_size, id))
             .max()
             .unwrap_or(0);
         let q = self.quick.iter().map(|&(size, _)| size).max().unwrap_or(0);
-        a.max(b).max(t).max(q)
+        free.max(q)
+    }
+
+    /// Bytes of free block `id` from its start up to its first unmapped page (all of it in a
+    /// classic segment).
+    fn mapped_prefix(&self, page_size: u64, id: BlockId) -> u64 {
+        let b = &self.blocks[id];
+        let seg = &self.segments[b.segment];
+        let SegmentKind::Vmm(pt) = &seg.kind else {
+            return b.size;
+        };
+        let (first, end) = Self::page_range(page_size, seg.addr, b.addr, b.size);
+        let run = (first..end).take_while(|&p| pt.is_mapped(p)).count();
+        if run == 0 {
+            return 0;
+        }
+        (seg.addr + (first + run) as u64 * page_size).min(b.end()) - b.addr
     }
 
     /// True while a checkpoint of this shard is alive: changes are logged for it.
