@@ -7,3 +7,7 @@ if [ "${SLOTPOOL_HEAVY:-0}" = 1 ]; then
   export PROPTEST_CASES="${PROPTEST_CASES:-2000}"
 fi
 cargo test --workspace --release
+# The model check of the shard / segment-registry protocol (loom), in a target directory of its
+# own: `--cfg loom` would otherwise rebuild everything above.
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+  cargo test -p slotpool-core --release --test loom_shards
