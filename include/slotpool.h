@@ -307,7 +307,8 @@ sp_status sp_memory_limit_get(int device, uint64_t* limit_bytes, uint64_t* total
  *  with other-stream uses become reusable. Allocation does this too when it needs memory. */
 sp_status sp_process_events(int device);
 
-/** Writes the size of the largest cached free block of device (cacheInfo; 0 if none). */
+/** Writes the size of the largest cached free block of device that needs no new physical
+ *  memory (cacheInfo; vmm blocks up to their first unmapped page; 0 if none). */
 sp_status sp_largest_free_block(int device, size_t* out);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -327,7 +328,8 @@ sp_status sp_pool_named(int device, const char* name, const sp_pool_options* opt
 /** Drops one use of pool id (releasePool); writes the remaining count to *remaining (may be
  *  NULL). At 0 the pool is freeable: its cached memory goes back on sp_empty_cache or under
  *  memory pressure, and it is forgotten once empty. Errors: SP_ERR_UNKNOWN_POOL,
- *  SP_ERR_INVALID_ARGUMENT (default pool), SP_ERR_INVALID_STATE (use count already 0). */
+ *  SP_ERR_INVALID_ARGUMENT (default pool), SP_ERR_INVALID_STATE (use count already 0, or the
+ *  last use of a pool that a route still sends allocations to: end the route first). */
 sp_status sp_pool_release(int device, sp_pool_id id, uint64_t* remaining);
 
 /** Writes the use count of pool id (MemPool.use_count()). Errors: SP_ERR_UNKNOWN_POOL. */

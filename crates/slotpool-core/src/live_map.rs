@@ -5,7 +5,9 @@
 //! Linear probing with backward-shift deletion: no tombstones, so a table that churns under a
 //! checkpoint neither slows down nor needs rebuilding. Each entry carries the block's size and
 //! segment besides its id: a restore's freed / created lists and its vmm page counts come from
-//! the entries alone, without reading a block.
+//! the entries alone, without reading a block. It also carries a serial, which allocation
+//! (which tenant of the address) it is, so that a restore tells an allocation freed and made
+//! again at its address from one that stayed.
 //!
 //! While a mark is open, every insertion and removal is also appended to an op log: a restore
 //! reads what changed from the ops since its mark (a few hundred KB written moments ago) instead

@@ -6,6 +6,10 @@
 //! 3. one shard (never two at once, except checkpoint and restore, which lock a pool's shards in
 //!    stream order while holding `reclaim`)
 //! 4. `Allocator::segments` (the segment registry; written under a shard's lock)
+//!
+//! A shard leaves `Allocator::shards` only under `reclaim`, the table's lock and its own, and is
+//! marked retired there; allocation checks the mark under the shard's lock (see
+//! `Allocator::drop_empty_shards`; modelled in `tests/loom_shards.rs`).
 //! 5. `PagePool` / `EventPool` / the lease list of `PeakCounter` (leaf locks)
 
 use std::sync::{Mutex, MutexGuard};
