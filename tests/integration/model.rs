@@ -237,7 +237,10 @@ fn cp_op() -> impl Strategy<Value = CpOp> {
     ]
 }
 
-/// (address, block size, seed) of a live allocation in the pool.
+/// (address, block size, seed) of a live allocation in the pool. The seed is unique per
+/// allocation, and a restore brings the checkpoint's allocations back with theirs: the tuple is
+/// the allocation's identity, as a restore nets them (an address freed and allocated again at
+/// its size holds another allocation).
 type Held = (u64, u64, u64);
 
 fn run_checkpoints(growth: GrowthMode, ops: &[CpOp]) {
@@ -317,37 +320,35 @@ fn run_checkpoints_paged(growth: GrowthMode, page: Option<u64>, ops: &[CpOp]) {
                 let keep_live: Vec<u64> = live
                     .iter()
                     .enumerate()
-                    .filter(|(i, l)| {
-                        keep >> (i % 64) & 1 == 1 && then.iter().any(|t| (t.0, t.1) == (l.0, l.1))
-                    })
+                    .filter(|(i, l)| keep >> (i % 64) & 1 == 1 && then.contains(l))
                     .map(|(_, l)| l.0)
                     .collect();
                 let before = alloc.state_dump();
                 match alloc.restore(pool, c, &keep_live) {
                     Ok(delta) => {
-                        let now: Vec<(u64, u64)> = live.iter().map(|l| (l.0, l.1)).collect();
-                        let was: Vec<(u64, u64)> = then.iter().map(|l| (l.0, l.1)).collect();
-                        let mut freed: Vec<_> =
-                            now.iter().filter(|x| !was.contains(x)).copied().collect();
-                        let mut created: Vec<_> =
-                            was.iter().filter(|x| !now.contains(x)).copied().collect();
+                        let mut freed: Vec<(u64, u64)> = live
+                            .iter()
+                            .filter(|x| !then.contains(x))
+                            .map(|x| (x.0, x.1))
+                            .collect();
+                        let mut created: Vec<(u64, u64)> = then
+                            .iter()
+                            .filter(|x| !live.contains(x))
+                            .map(|x| (x.0, x.1))
+                            .collect();
                         freed.sort_unstable();
                         created.sort_unstable();
                         retained.extend(freed.iter().map(|f| f.0));
                         assert_eq!(delta.freed, freed, "freed");
                         assert_eq!(delta.created, created, "created");
-                        // Survivors keep their bytes; re-created blocks get a new pattern.
-                        let mut next = Vec::new();
-                        for &(p, s, _) in then.iter() {
-                            if let Some(&cur) = live.iter().find(|l| (l.0, l.1) == (p, s)) {
-                                next.push(cur);
-                            } else {
-                                seed += 1;
-                                fill_probes(&dev, p, s, seed);
-                                next.push((p, s, seed));
+                        // Survivors keep their bytes; re-created allocations are the
+                        // checkpoint's, their pattern written again.
+                        for t in then.iter() {
+                            if !live.contains(t) {
+                                fill_probes(&dev, t.0, t.1, t.2);
                             }
                         }
-                        live = next;
+                        live = then.clone();
                     }
                     Err(AllocError::CheckpointMismatch(_)) => {
                         assert_eq!(alloc.state_dump(), before, "refused restore changed state");
@@ -360,10 +361,7 @@ fn run_checkpoints_paged(growth: GrowthMode, page: Option<u64>, ops: &[CpOp]) {
                 let Some((c, then)) = cps.last() else {
                     continue;
                 };
-                let Some(bad) = live
-                    .iter()
-                    .find(|l| !then.iter().any(|t| (t.0, t.1) == (l.0, l.1)))
-                else {
+                let Some(bad) = live.iter().find(|l| !then.contains(l)) else {
                     continue;
                 };
                 let before = alloc.state_dump();

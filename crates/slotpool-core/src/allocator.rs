@@ -1234,7 +1234,7 @@ impl<D: Device> Allocator<D> {
     /// shards one at a time): every shard's invariants, then
     ///
     /// 1. the segment registry holds exactly the shards' segments, each with its shard (every
-    ///    shard's own live map is its invariant 8);
+    ///    shard's own live map is its invariant 8), and no shard in the table is retired;
     /// 2. no two segments of any shards overlap;
     /// 3. physical bytes held equal classic segments + mapped pages + cached pages;
     /// 4. each pool's budget equals what its shards hold;
@@ -1254,6 +1254,11 @@ impl<D: Device> Allocator<D> {
         }
         for (&(pool, stream), cell) in &shards {
             let s = lock(&cell.shard);
+            if s.retired {
+                return Err(format!(
+                    "1: shard {pool}/{stream} is retired but in the table"
+                ));
+            }
             s.check_invariants(ps)
                 .map_err(|e| format!("shard {pool}/{stream}: invariant {e}"))?;
             let reserved = s.stats.reserved_bytes.all().current as u64;
