@@ -380,3 +380,28 @@ fn has_feature_agrees_with_the_docs_and_the_header() {
         assert_eq!(sp_has_feature(c"no_such_feature".as_ptr()), 0);
     }
 }
+
+#[test]
+fn sim_bytes_are_refused_on_a_device_that_keeps_only_accounts() {
+    setup();
+    let p = alloc(SHARED, MIB, 0);
+    let mut buf = [0u8; 4];
+    // SAFETY: a host buffer of 4 bytes; the device range is checked by slotpool.
+    unsafe {
+        expect(
+            sp_sim_read(SHARED, p, buf.as_mut_ptr().cast(), 4),
+            sp_status::SP_ERR_BACKEND_UNAVAILABLE,
+        );
+        assert!(last_error().contains("sim_bytes:1"), "{}", last_error());
+        expect(
+            sp_sim_write(SHARED, p, buf.as_ptr().cast(), 4),
+            sp_status::SP_ERR_BACKEND_UNAVAILABLE,
+        );
+    }
+    expect(
+        sp_sim_fill(SHARED, p, 4, 1),
+        sp_status::SP_ERR_BACKEND_UNAVAILABLE,
+    );
+    expect(sp_sim_fill(99, p, 4, 1), INVALID);
+    ok(sp_free(p));
+}
