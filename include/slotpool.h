@@ -10,7 +10,12 @@
  *    sp_last_error_message() describes the failure. A failed call changes no allocator state
  *    (an out-pointer may have been set to NULL/0, as documented).
  *  - Thread safety: every function may be called from any thread at any time, concurrently.
- *    Calls on different streams, pools and devices do not contend.
+ *    Calls on different streams, pools and devices do not contend. The caller's own objects
+ *    are the caller's to order: a pointer freed twice at once is one success and one
+ *    SP_ERR_UNKNOWN_POINTER; allocations a restore frees must not be in use elsewhere; handles
+ *    may be used while freed (see the graph-memory section); sp_check_invariants and
+ *    sp_snapshot_json are exact only while no other thread changes the device. docs/c-api.md
+ *    lists the rules.
  *  - Out-pointers are required (NULL -> SP_ERR_INVALID_ARGUMENT) unless marked "may be NULL".
  *  - Devices are ordinals 0..count-1 (sp_device_count); any other value ->
  *    SP_ERR_INVALID_ARGUMENT. Where "-1: every device" is noted, -1 means every device in use.

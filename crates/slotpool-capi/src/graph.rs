@@ -160,7 +160,7 @@ pub unsafe extern "C" fn sp_checkpoint_take(
 ///
 /// # Safety
 ///
-/// `cp` must be NULL or a handle from `sp_checkpoint_take` not used concurrently.
+/// None for `cp`: any value is checked against the registry, never dereferenced.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_checkpoint_free(cp: *mut sp_checkpoint) -> sp_status {
     ffi(|| CHECKPOINTS.remove(tok(cp), Kind::Checkpoint.name()))
@@ -170,8 +170,8 @@ pub unsafe extern "C" fn sp_checkpoint_free(cp: *mut sp_checkpoint) -> sp_status
 ///
 /// # Safety
 ///
-/// `cp` must be NULL or a live handle; `keep_live` NULL (with `n_keep` 0) or `n_keep` readable
-/// pointers; `delta_out` NULL or valid for a write.
+/// `cp` may be any value (checked, never dereferenced); `keep_live` NULL (with `n_keep` 0) or
+/// `n_keep` readable pointers; `delta_out` NULL or valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_checkpoint_restore(
     device: c_int,
@@ -276,7 +276,7 @@ pub unsafe extern "C" fn sp_delta_created(
 ///
 /// # Safety
 ///
-/// `d` must be NULL or a live handle not used concurrently.
+/// None for `d`: any value is checked against the registry, never dereferenced.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_delta_free(d: *mut sp_restore_delta) -> sp_status {
     ffi(|| DELTAS.remove(tok(d), Kind::Delta.name()))
@@ -317,7 +317,7 @@ pub unsafe extern "C" fn sp_variant_group_create(
 ///
 /// # Safety
 ///
-/// `g` must be NULL or a live handle; `delta_out` NULL or valid for a write.
+/// `g` may be any value (checked, never dereferenced); `delta_out` NULL or valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_variant_begin(
     g: *const sp_variant_group,
@@ -339,7 +339,7 @@ pub unsafe extern "C" fn sp_variant_begin(
 ///
 /// # Safety
 ///
-/// `g` must be NULL or a live handle.
+/// None for `g`: any value is checked against the registry, never dereferenced.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_variant_end(g: *const sp_variant_group) -> sp_status {
     ffi(|| {
@@ -354,7 +354,7 @@ pub unsafe extern "C" fn sp_variant_end(g: *const sp_variant_group) -> sp_status
 ///
 /// # Safety
 ///
-/// `g` must be NULL or a live handle not used concurrently.
+/// None for `g`: any value is checked against the registry, never dereferenced.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_variant_group_free(g: *mut sp_variant_group) -> sp_status {
     ffi(|| GROUPS.remove(tok(g), Kind::VariantGroup.name()))
