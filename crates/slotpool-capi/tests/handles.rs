@@ -359,11 +359,8 @@ fn has_feature_agrees_with_the_docs_and_the_header() {
     for name in &off {
         let c = std::ffi::CString::new(name.as_str()).unwrap();
         // SAFETY: a NUL-terminated string.
-        assert_eq!(
-            unsafe { sp_has_feature(c.as_ptr()) },
-            0,
-            "docs/c-api.md says {name:?} is not supported"
-        );
+        let on = unsafe { sp_has_feature(c.as_ptr()) };
+        assert_eq!(on, 0, "docs/c-api.md says {name:?} is not supported");
     }
     let header = std::fs::read_to_string(repo_root().join("include/slotpool.h")).unwrap();
     let at = header.find("int sp_has_feature").unwrap();

@@ -104,6 +104,16 @@ pub(crate) fn pattern_into(seed: u64, offset: u64, buf: &mut [u8]) {
     }
 }
 
+/// splitmix64 of (seed, word index): neighbouring words and seeds give unrelated values.
+fn pattern_word(seed: u64, word: u64) -> u64 {
+    let mut z = seed
+        .wrapping_mul(0xD6E8_FEB8_6659_FD93)
+        .wrapping_add(word.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,14 +131,4 @@ mod tests {
             }
         }
     }
-}
-
-/// splitmix64 of (seed, word index): neighbouring words and seeds give unrelated values.
-fn pattern_word(seed: u64, word: u64) -> u64 {
-    let mut z = seed
-        .wrapping_mul(0xD6E8_FEB8_6659_FD93)
-        .wrapping_add(word.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
