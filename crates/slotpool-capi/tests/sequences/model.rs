@@ -19,8 +19,10 @@ mod check;
 
 /// Devices the sequence uses; pools, checkpoints, groups, arenas and routes live on device 0.
 pub const DEVICES: i32 = 2;
-/// Live bytes per device stay below this, far from the device's memory: pressure reclaims caches
-/// and is exercised elsewhere.
+/// Live bytes per device stay below this, far from the device's memory (1 GiB), so no call runs
+/// out of memory or reclaims caches under pressure.
+// Excluded until a checkpoint survives its pool's cache being reclaimed under memory pressure:
+// today a later restore (or sp_variant_begin) fails with "the shard no longer exists".
 const MAX_LIVE_BYTES: usize = 96 << 20;
 /// Bytes checked at each end and in the middle of a large allocation after every step (all of it
 /// at the end of a sequence).
