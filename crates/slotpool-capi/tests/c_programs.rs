@@ -130,7 +130,7 @@ fn smoke_c_against_the_static_library() {
 
 /// The host-cost harnesses of `benches/c/` (run on the H200 by `benches/gpu/run.sh host_abi`)
 /// build warning-free and run to their JSON line on the sim backend, with counts small enough
-/// for a debug build: a harness broken here would cost a device call to find out.
+/// for a debug build: a harness broken here would otherwise show only on a GPU machine.
 #[test]
 fn bench_harnesses_build_and_run_on_the_sim() {
     if !have_tool("cc") {

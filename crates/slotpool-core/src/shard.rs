@@ -155,8 +155,8 @@ impl Shard {
         // The containers that every pair writes start with room to spare: a shard is often made
         // by one thread for another (a warm-up pair per stream), and small first allocations of
         // several shards made in a row share cache lines, which the shards' threads then fight
-        // over (on the H200, 16 threads of 64 MiB pairs cost 1.5x more each; docs/benchmarks.md,
-        // ninth session).
+        // over (on the H200 host, 16 threads of 64 MiB pairs cost 1.5x more each; see
+        // "Shards share no cache line" in docs/design.md).
         Shard {
             pool,
             stream,
