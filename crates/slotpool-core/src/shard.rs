@@ -74,7 +74,7 @@ pub struct Released {
 /// 8. The live map holds exactly the `Allocated` and `Cached` blocks, each under its address (a
 ///    cached block stays there, so that the quick cache's round trip costs no hashing).
 /// 9. The quick cache holds exactly the `Cached` blocks, each under its size, at most
-///    [`QUICK_MAX`] of them; they have no events or stream uses, count as live for their vmm
+///    `QUICK_MAX` of them; they have no events or stream uses, count as live for their vmm
 ///    pages (6) and as inactive for the statistics (7), and there are none while a checkpoint is
 ///    alive.
 #[derive(Debug)]
