@@ -8,13 +8,16 @@
 //! - [`plot`]: draw a report's timeline as an SVG.
 //! - [`model`]: [`ModelTarget`], a toy best-fit allocator used to test the driver.
 
+pub mod help;
 pub mod model;
 pub mod pickle;
 pub mod plot;
 pub mod replay;
+pub mod settings;
 pub mod snapshot;
 pub mod target;
 pub mod trace;
+pub mod trace_timeline;
 pub mod variants;
 
 pub use model::{ModelMode, ModelTarget};

@@ -63,11 +63,11 @@ pub(crate) fn read_snapshot<R: BufRead>(
     let device = match opts.device {
         Some(d) if d < devices.len() => d,
         Some(d) => {
-            return Err(bad(format!(
-                "device {d} requested but `device_traces` has {} device(s) (0 to {})",
-                devices.len(),
-                devices.len().saturating_sub(1)
-            )));
+            return Err(TraceError::NoSuchDevice {
+                file: file(),
+                device: d,
+                devices: devices.len(),
+            });
         }
         None => {
             let mut chosen = 0;

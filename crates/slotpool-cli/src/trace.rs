@@ -284,8 +284,13 @@ pub enum TraceError {
         at: Location,
         message: String,
     },
-    #[error("{file}: device {device} requested, but a CSV trace holds one device (0)")]
-    NoSuchDevice { file: String, device: usize },
+    #[error("{file}: device {device} requested, but the trace has {}", device_range(*.devices))]
+    NoSuchDevice {
+        file: String,
+        device: usize,
+        /// How many devices the trace has (a CSV trace: 1).
+        devices: usize,
+    },
     #[error("{file}: not a PyTorch memory snapshot: {message}")]
     BadSnapshot { file: String, message: String },
 }
@@ -340,6 +345,14 @@ fn peek<R: Read>(mut reader: R, source: &str, gzip: bool) -> Result<(Vec<u8>, R)
     Ok((head, reader))
 }
 
+fn device_range(devices: usize) -> String {
+    match devices {
+        0 => "no devices".to_string(),
+        1 => "one device, 0".to_string(),
+        n => format!("{n} devices, 0 to {}", n - 1),
+    }
+}
+
 fn at_prefix(at: &Option<Location>) -> String {
     at.map(|at| format!("{at}: ")).unwrap_or_default()
 }
@@ -388,6 +401,7 @@ fn parse_plain<R: Read>(
             return Err(TraceError::NoSuchDevice {
                 file: source.to_string(),
                 device: d,
+                devices: 1,
             });
         }
         read_csv(reader, source, gzip)
