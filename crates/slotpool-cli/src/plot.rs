@@ -172,6 +172,11 @@ pub fn render_svg(report: &ReplayReport) -> String {
     if side.phases.iter().any(|p| p.kind == PhaseKind::Capture) {
         entries.push(("#ff7f0e", "", "capture phases (shaded)".into()));
     }
+    if side.phases.iter().any(|p| p.kind == PhaseKind::Variant) {
+        let note =
+            "variant markers ignored: every capture stays in the default pool (see --variants)";
+        entries.push(("none", "", note.into()));
+    }
     let lx = LEFT + 16.0;
     for (i, (colour, dash, label)) in entries.iter().enumerate() {
         let y = TOP + 12.0 + 18.0 * i as f64;
