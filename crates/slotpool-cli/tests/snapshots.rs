@@ -136,7 +136,7 @@ fn real_snapshots_replay() {
         let frees = x.counts[2].1 as u64;
         assert_eq!((r.allocs, r.frees, r.skipped_frees), (allocs, frees, 0));
         assert_eq!(r.live_at_end, allocs - frees, "{}", x.name);
-        assert_eq!(r.free_action, Action::FreeCompleted);
+        assert_eq!(r.free_action, FreeCompleted);
         // What the replay derives from the trace alone, as the previous reader gave it.
         assert_eq!(r.peak_requested, 743_768_064, "{}", x.name);
         assert_eq!(r.torch_peak_allocated, 743_768_064, "{}", x.name);
@@ -201,4 +201,37 @@ fn frames_are_pruned_while_reading() {
     let whole = slots(&[]);
     assert!(pruned <= 18 * entries, "{pruned} slots");
     assert!(whole >= 2 * pruned, "{whole} vs {pruned} slots");
+}
+
+/// A real snapshot cut short or with a byte changed is read or refused with an error, never a
+/// panic or a hang.
+#[test]
+fn damaged_snapshots_are_errors_not_panics() {
+    use std::io::Read;
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(snapshot("plain")).unwrap())
+        .read_to_end(&mut raw)
+        .unwrap();
+    let read = |bytes: &[u8]| slotpool_cli::parse_trace(bytes, "damaged", ReadOptions::default());
+    assert_eq!(read(&raw).unwrap().events.len(), 964);
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for _ in 0..150 {
+        let cut = (next() % raw.len() as u64) as usize;
+        let err = read(&raw[..cut]).expect_err("a cut pickle is an error");
+        assert!(err.to_string().starts_with("damaged: "), "{err}");
+    }
+    let mut refused = 0;
+    for _ in 0..300 {
+        let mut bad = raw.clone();
+        let at = (next() % raw.len() as u64) as usize;
+        bad[at] = (next() & 0xff) as u8;
+        refused += usize::from(read(&bad).is_err());
+    }
+    assert!(refused > 0);
 }

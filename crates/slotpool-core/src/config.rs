@@ -216,7 +216,7 @@ impl Config {
     /// code) is rendered with a fraction, which `apply` refuses.
     pub fn settings(&self) -> Vec<(&'static str, Option<String>)> {
         let mb = |bytes: u64| {
-            if bytes % MIB == 0 {
+            if bytes.is_multiple_of(MIB) {
                 (bytes / MIB).to_string()
             } else {
                 (bytes as f64 / MIB as f64).to_string()

@@ -329,7 +329,7 @@ impl<R: BufRead> Unpickler<R> {
                 Ok(())
             }
             Some(Obj::Dict(d)) => {
-                if items.len() % 2 != 0 {
+                if !items.len().is_multiple_of(2) {
                     return Err(PickleError::Bad {
                         at,
                         message: "odd number of items for a dict".into(),
@@ -506,7 +506,7 @@ impl<R: BufRead> Unpickler<R> {
             b'd' => {
                 let pruned = self.prune_after_mark();
                 let items = self.pop_mark()?;
-                if items.len() % 2 != 0 {
+                if !items.len().is_multiple_of(2) {
                     return Err(self.bad("odd number of items for a dict"));
                 }
                 self.push_obj(if pruned {

@@ -77,7 +77,7 @@ fn bad_input_is_an_error() {
         load(b"K\x01a.", &[]),
         Err(PickleError::Bad { .. })
     ));
-    assert!(matches!(load(b"(K\x01K\x02d.", &[]), Ok(_)));
+    assert!(load(b"(K\x01K\x02d.", &[]).is_ok());
     assert!(matches!(
         load(b"(K\x01d.", &[]),
         Err(PickleError::Bad { .. })
