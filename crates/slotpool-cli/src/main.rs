@@ -217,8 +217,19 @@ fn read_input(args: &ReplayArgs, show_progress: bool) -> Result<Trace, String> {
         device: args.device,
     };
     if args.trace.as_os_str() == "-" {
-        let stdin = std::io::stdin().lock();
-        return parse_trace(stdin, "<stdin>", opts).map_err(|e| e.to_string());
+        let bar = if show_progress {
+            let bar = ProgressBar::new_spinner();
+            bar.set_style(
+                ProgressStyle::with_template("{spinner} reading standard input: {bytes}")
+                    .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+            );
+            bar
+        } else {
+            ProgressBar::hidden()
+        };
+        let trace = parse_trace(bar.wrap_read(std::io::stdin().lock()), "<stdin>", opts);
+        bar.finish_and_clear();
+        return trace.map_err(|e| e.to_string());
     }
     let name = args.trace.display().to_string();
     let file = File::open(&args.trace).map_err(|e| format!("{name}: cannot read: {e}"))?;
