@@ -1,4 +1,4 @@
-//! [`ModelTarget`]: a toy allocator to drive [`crate::replay`] with, not slotpool's allocator.
+//! [`ModelTarget`]: a toy allocator to drive [`crate::replay()`] with, not slotpool's allocator.
 //!
 //! One virtual address range, best-fit over free ranges with neighbour merging, sizes rounded to
 //! 512 B, the top of the range shrinking when its last block falls free. Two ways to count

@@ -23,7 +23,7 @@ pub enum Obj {
     Tuple(Box<[Val]>),
     Dict(Vec<(Val, Val)>),
     Set(Vec<Val>),
-    /// A container whose items were dropped (see [`Unpickler::prune_keys`]).
+    /// A container whose items were dropped (see [`Unpickler::prune_keys`](super::Unpickler::prune_keys)).
     Pruned(Kind),
     /// `module.name`, never imported.
     Global(Box<str>),
