@@ -111,7 +111,7 @@ fn empty_cache_races_new_shards(growth: GrowthMode) {
                     let size = size_of(x);
                     let seed = t << 40 | i;
                     // Pool allocations on a new stream most of the time.
-                    let (ptr, stream) = if x % 3 != 0 {
+                    let (ptr, stream) = if !x.is_multiple_of(3) {
                         let stream = 1000 + t * 1_000_000 + i;
                         (
                             alloc.alloc_in(pool, size, stream).expect("pool alloc"),
@@ -140,7 +140,7 @@ fn empty_cache_races_new_shards(growth: GrowthMode) {
                         verify_probes(&dev, l.ptr, l.size, l.seed).expect("pattern");
                         alloc.free(l.ptr).expect("free of a live pointer");
                     }
-                    if x % 5 == 0 {
+                    if x.is_multiple_of(5) {
                         let taken = mailbox.lock().unwrap().pop();
                         if let Some(l) = taken {
                             verify_probes(&dev, l.ptr, l.size, l.seed).expect("pattern");
@@ -216,7 +216,11 @@ fn everything_races(growth: GrowthMode) {
                 let x = rng.next();
                 let size = size_of(x);
                 let stream = 10 + (x >> 20) % 4;
-                let pool = if x % 2 == 0 { shared } else { PoolId::DEFAULT };
+                let pool = if x.is_multiple_of(2) {
+                    shared
+                } else {
+                    PoolId::DEFAULT
+                };
                 let ptr = alloc.alloc_in(pool, size, stream).expect("alloc");
                 let seed = t << 40 | i;
                 fill_probes(&dev, ptr, size, seed);
@@ -226,7 +230,7 @@ fn everything_races(growth: GrowthMode) {
                     seed,
                     stream,
                 };
-                if x % 4 == 0 {
+                if x.is_multiple_of(4) {
                     mailbox.lock().unwrap().push(l);
                 } else {
                     live.push(l);
@@ -234,7 +238,7 @@ fn everything_races(growth: GrowthMode) {
                 if live.len() > 32 {
                     let l = live.swap_remove((x as usize >> 8) % live.len());
                     verify_probes(&dev, l.ptr, l.size, l.seed).expect("pattern");
-                    if x % 9 == 0 {
+                    if x.is_multiple_of(9) {
                         alloc.record_stream(l.ptr, 99).expect("record_stream");
                     }
                     alloc.free(l.ptr).expect("free of a live pointer");
@@ -244,7 +248,7 @@ fn everything_races(growth: GrowthMode) {
                     verify_probes(&dev, l.ptr, l.size, l.seed).expect("pattern");
                     alloc.free(l.ptr).expect("cross-thread free");
                 }
-                if i % 256 == 0 {
+                if i.is_multiple_of(256) {
                     dev.complete_all();
                     alloc.process_events();
                 }
