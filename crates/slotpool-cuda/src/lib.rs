@@ -66,6 +66,7 @@
 compile_error!("slotpool-cuda stores CUDA handles as u64 and supports 64-bit targets only");
 
 mod device;
+mod host;
 pub mod error;
 mod ipc;
 
