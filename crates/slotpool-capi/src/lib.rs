@@ -8,6 +8,7 @@
 //!   initialisation from `sp_init` or from `SLOTPOOL_BACKEND` / `SLOTPOOL_CONF`, and shutdown.
 //! * [`types`]: `#[repr(C)]` mirrors of the header's structs, layout pinned by const asserts.
 //! * [`snapshot`]: the PyTorch-shaped JSON snapshot.
+//! * [`pause`]: pausing and resuming pools (physical memory given back, addresses kept).
 //! * [`ipc`]: CUDA IPC of vmm memory (pages exported as file descriptors, and mapped).
 //!
 //! `docs/c-api.md` is the user guide; `slotpool.h` documents every function.
@@ -17,6 +18,7 @@ pub mod error;
 pub mod graph;
 pub mod ipc;
 mod out;
+pub mod pause;
 pub mod runtime;
 pub mod snapshot;
 pub mod types;
@@ -25,6 +27,7 @@ pub use api::*;
 pub use error::{Error, sp_status};
 pub use graph::*;
 pub use ipc::*;
+pub use pause::*;
 pub use types::{
     sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind, sp_stat, sp_stat_array,
     sp_trace_action, sp_trace_event,
