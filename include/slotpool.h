@@ -470,13 +470,14 @@ sp_status sp_variant_group_free(sp_variant_group* g);
  *  SP_ERR_OUT_OF_MEMORY (the backup failed). */
 sp_status sp_pool_pause(int device, sp_pool_id id, uint32_t flags);
 
-/** Maps new physical memory at every paused address of pool id and copies the backup back
- *  (then frees it). Errors (the pool stays paused, its backup kept): SP_ERR_UNKNOWN_POOL,
+/** Maps new physical memory at every paused address of pool id and copies the backup back.
+ *  The backup's pinned buffer is kept for the pool's next backup (pinning memory costs far more
+ *  than copying it) until sp_pool_empty_cache or sp_empty_cache frees it. Errors (the pool stays paused, its backup kept): SP_ERR_UNKNOWN_POOL,
  *  SP_ERR_INVALID_STATE (not paused, a capture underway), SP_ERR_OUT_OF_MEMORY. */
 sp_status sp_pool_resume(int device, sp_pool_id id);
 
 /** Writes whether pool id is paused (1 or 0), the bytes it gave back (mapped again by the
- *  resume) and the pinned host bytes holding its backup. Each out-pointer may be NULL.
+ *  resume) and the pinned host bytes it holds (its backup, or the buffer kept for the next). Each out-pointer may be NULL.
  *  Errors: SP_ERR_UNKNOWN_POOL. */
 sp_status sp_pool_pause_info(int device, sp_pool_id id, int* paused, uint64_t* paused_bytes,
                              uint64_t* host_bytes);

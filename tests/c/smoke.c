@@ -179,7 +179,7 @@ static void allocation(void) {
 
 static void pools_and_routes(void) {
     sp_pool_id pool = {0, 42};
-    sp_pool_options opts = {0, 1, 0};
+    sp_pool_options opts = {0, 1, 0, 0};
     uint64_t uses = 0;
     OK(sp_pool_create_or_incref(0, pool, &opts, &uses));
     CHECK(uses == 1);

@@ -113,7 +113,7 @@ int run() {
         return 1;
     }
     // Pools by name, with options given as an aggregate.
-    sp_pool_options opts{1, 0, 64u << 20};
+    sp_pool_options opts{1, 0, 64u << 20, 0};
     sp_pool_id id{};
     check(sp_pool_named(0, "cpp-pool", &opts, &id), "sp_pool_named");
     void* p = nullptr;

@@ -40,11 +40,19 @@ fn checked(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
 
 /// A pausable named pool on a device with 16 MiB pages, where small blocks of other pools take
 /// classic segments: (device, allocator, pool, [(ptr, size, seed)]).
-fn filled_pool() -> (std::sync::Arc<SimDevice>, Allocator<SimDevice>, PoolId, Vec<(u64, u64, u64)>) {
+fn filled_pool() -> (
+    std::sync::Arc<SimDevice>,
+    Allocator<SimDevice>,
+    PoolId,
+    Vec<(u64, u64, u64)>,
+) {
     let (dev, alloc) = setup_paged(GrowthMode::Vmm, 1 << 30, Some(16 * MIB));
     let pool = alloc.named_pool("kv", pausable()).unwrap();
     let mut live = Vec::new();
-    for (i, size) in [4 * KIB, 300 * KIB, MIB, 5 * MIB, 40 * MIB].into_iter().enumerate() {
+    for (i, size) in [4 * KIB, 300 * KIB, MIB, 5 * MIB, 40 * MIB]
+        .into_iter()
+        .enumerate()
+    {
         let stream = (i % 2) as u64;
         let p = alloc.alloc_in(pool, size, stream).unwrap();
         fill_probes(&dev, p, size, i as u64 + 7);
@@ -81,7 +89,11 @@ fn a_backed_up_pause_gives_memory_back_and_the_resume_restores_every_byte() {
     assert_eq!(state.paused_bytes, reserved);
     assert_eq!(state.host_bytes, reserved);
     assert_eq!(dev.host_buffer_bytes(), reserved);
-    assert_eq!(dev.physical_bytes(), physical - reserved, "pages not given back");
+    assert_eq!(
+        dev.physical_bytes(),
+        physical - reserved,
+        "pages not given back"
+    );
     let st = alloc.pool_stats(pool).unwrap();
     assert_eq!(st.reserved_bytes.all().current, 0);
     assert_eq!(st.reserved_paused_bytes.all().current as u64, reserved);
@@ -104,9 +116,14 @@ fn a_backed_up_pause_gives_memory_back_and_the_resume_restores_every_byte() {
     let mapped = alloc.resume_pool(pool).unwrap();
     checked(&dev, &alloc);
     assert_eq!(mapped, reserved);
-    assert_eq!(dev.host_buffer_bytes(), 0, "backup not freed");
+    // The backup's buffer stays for the next pause, which pins nothing new.
+    assert_eq!(dev.host_buffer_bytes(), reserved);
+    assert_eq!(alloc.pool_pause_state(pool).unwrap().host_bytes, reserved);
     assert_eq!(dev.physical_bytes(), physical);
-    assert_eq!(currents(&alloc.pool_stats(pool).unwrap()), currents(&before));
+    assert_eq!(
+        currents(&alloc.pool_stats(pool).unwrap()),
+        currents(&before)
+    );
     for (&(a, n), want) in snap.iter().zip(&bytes) {
         assert_eq!(&dev.read(a, n as usize).unwrap(), want, "bytes at {a:#x}");
     }
@@ -115,6 +132,22 @@ fn a_backed_up_pause_gives_memory_back_and_the_resume_restores_every_byte() {
     }
     verify_probes(&dev, other, 2 * MIB, 99).unwrap();
     assert_eq!(alloc.pool_pause_state(pool).unwrap().mode, None);
+    let pinned = dev.calls(CallKind::AllocHost);
+    alloc.pause_pool(pool, PauseMode::Backup).unwrap();
+    assert_eq!(
+        dev.calls(CallKind::AllocHost),
+        pinned,
+        "the spare buffer was not reused"
+    );
+    alloc.resume_pool(pool).unwrap();
+    for &(p, size, seed) in &live {
+        verify_probes(&dev, p, size, seed).unwrap();
+    }
+    // empty_cache frees it with the rest of the cache.
+    alloc.empty_pool_cache(pool).unwrap();
+    assert_eq!(dev.host_buffer_bytes(), 0, "spare host buffer not freed");
+    assert_eq!(alloc.pool_pause_state(pool).unwrap().host_bytes, 0);
+    checked(&dev, &alloc);
 }
 
 #[test]
@@ -165,8 +198,14 @@ fn a_paused_pool_refuses_allocations_and_takes_frees() {
     alloc.free(live[1].0).unwrap();
     assert_ne!(alloc.state_dump(), dump);
     checked(&dev, &alloc);
-    assert_eq!(alloc.pool_stats(pool).unwrap().reserved_paused_bytes, paused);
-    assert_eq!(alloc.mark_reusable(live[0].0), Err(AllocError::PoolPaused(pool)));
+    assert_eq!(
+        alloc.pool_stats(pool).unwrap().reserved_paused_bytes,
+        paused
+    );
+    assert_eq!(
+        alloc.mark_reusable(live[0].0),
+        Err(AllocError::PoolPaused(pool))
+    );
     // empty_cache leaves the paused pool alone.
     let physical = dev.physical_bytes();
     let dump = alloc.state_dump();
@@ -196,14 +235,26 @@ fn refused_pauses_and_resumes_change_nothing() {
     let e = alloc.pause_pool(plain, PauseMode::Discard).unwrap_err();
     assert!(e.to_string().contains("classic"), "{e}");
     refused(Err(e));
-    refused(alloc.pause_pool(PoolId::DEFAULT, PauseMode::Discard).map(|_| ()));
-    refused(alloc.pause_pool(PoolId(0, 12345), PauseMode::Discard).map(|_| ()));
+    refused(
+        alloc
+            .pause_pool(PoolId::DEFAULT, PauseMode::Discard)
+            .map(|_| ()),
+    );
+    refused(
+        alloc
+            .pause_pool(PoolId(0, 12345), PauseMode::Discard)
+            .map(|_| ()),
+    );
     refused(alloc.resume_pool(pool).map(|_| ()));
     refused(alloc.resume_pool(PoolId(0, 12345)).map(|_| ()));
     // A failed backup (the copy, then the host allocation) leaves the pool as it was.
     dev.inject_oom(CallKind::CopyToHost, 2);
     refused(alloc.pause_pool(pool, PauseMode::Backup).map(|_| ()));
-    assert_eq!(dev.host_buffer_bytes(), 0, "a failed backup kept host memory");
+    assert_eq!(
+        dev.host_buffer_bytes(),
+        0,
+        "a failed backup kept host memory"
+    );
     dev.inject_oom(CallKind::AllocHost, 1);
     refused(alloc.pause_pool(pool, PauseMode::Backup).map(|_| ()));
     // During a capture.
@@ -240,7 +291,11 @@ fn a_resume_without_memory_is_refused_and_keeps_the_backup() {
     let e = alloc.resume_pool(pool).unwrap_err();
     assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
     assert_eq!(alloc.state_dump(), dump);
-    assert_eq!(dev.physical_bytes(), physical, "a refused resume kept pages");
+    assert_eq!(
+        dev.physical_bytes(),
+        physical,
+        "a refused resume kept pages"
+    );
     assert_eq!(alloc.pool_pause_state(pool).unwrap(), state);
     checked(&dev, &alloc);
     // A copy that fails after the pages were mapped: undone too (the totals count the traffic).
@@ -277,7 +332,11 @@ fn checkpoints_survive_a_pause_and_restores_wait_for_the_resume() {
     checked(&dev, &alloc);
     alloc.resume_pool(pool).unwrap();
     checked(&dev, &alloc);
-    let keep: Vec<u64> = live.iter().map(|l| l.0).filter(|&p| p != live[3].0).collect();
+    let keep: Vec<u64> = live
+        .iter()
+        .map(|l| l.0)
+        .filter(|&p| p != live[3].0)
+        .collect();
     let delta = alloc.restore(pool, &cp2, &keep).unwrap();
     assert_eq!(delta.created, vec![(live[3].0, delta.created[0].1)]);
     checked(&dev, &alloc);
@@ -305,7 +364,11 @@ fn graph_retained_pages_stay_retained_across_a_pause() {
     let retained = alloc.retained_bytes(pool).unwrap();
     assert_eq!(retained, 4 * MIB);
     alloc.pause_pool(pool, PauseMode::Discard).unwrap();
-    assert_eq!(alloc.retained_bytes(pool).unwrap(), 0, "nothing mapped while paused");
+    assert_eq!(
+        alloc.retained_bytes(pool).unwrap(),
+        0,
+        "nothing mapped while paused"
+    );
     alloc.resume_pool(pool).unwrap();
     assert_eq!(alloc.retained_bytes(pool).unwrap(), retained);
     // The graph's temporaries stay mapped through empty_cache while the pool is in use.
@@ -393,7 +456,14 @@ mod model {
                 live.remove(p);
             }
             for &(p, size) in &d.created {
-                live.insert(p, Live { pool, size, seed: None });
+                live.insert(
+                    p,
+                    Live {
+                        pool,
+                        size,
+                        seed: None,
+                    },
+                );
             }
         };
         for op in ops {
@@ -408,10 +478,20 @@ mod model {
                     };
                     match r {
                         Ok(p) => {
-                            prop_assert!(target == 2 || !paused[target], "allocated from a paused pool");
+                            prop_assert!(
+                                target == 2 || !paused[target],
+                                "allocated from a paused pool"
+                            );
                             seed += 1;
                             fill_probes(&dev, p, *size, seed);
-                            live.insert(p, Live { pool: target, size: *size, seed: Some(seed) });
+                            live.insert(
+                                p,
+                                Live {
+                                    pool: target,
+                                    size: *size,
+                                    seed: Some(seed),
+                                },
+                            );
                             false
                         }
                         Err(AllocError::PoolPaused(id)) => {
@@ -426,12 +506,18 @@ mod model {
                         continue;
                     }
                     let p = *live.keys().nth(i % live.len()).unwrap();
-                    alloc.free(p).map_err(|e| TestCaseError::fail(format!("free: {e}")))?;
+                    alloc
+                        .free(p)
+                        .map_err(|e| TestCaseError::fail(format!("free: {e}")))?;
                     live.remove(&p);
                     false
                 }
                 Op::Pause { pool, backup } => {
-                    let mode = if *backup { PauseMode::Backup } else { PauseMode::Discard };
+                    let mode = if *backup {
+                        PauseMode::Backup
+                    } else {
+                        PauseMode::Discard
+                    };
                     let r = alloc.pause_pool(pools[*pool], mode);
                     prop_assert_eq!(r.is_ok(), !paused[*pool]);
                     if r.is_ok() {
@@ -486,7 +572,9 @@ mod model {
                     false
                 }
                 Op::BeginVariant(pool) => {
-                    let Some(g) = &mut groups[*pool] else { continue };
+                    let Some(g) = &mut groups[*pool] else {
+                        continue;
+                    };
                     if g.active().is_some() {
                         alloc.end_variant(g).unwrap();
                     }
@@ -533,25 +621,40 @@ mod model {
                 }
             };
             if refused {
-                prop_assert_eq!(&alloc.state_dump(), &dump, "refused {:?} changed the state", op);
+                prop_assert_eq!(
+                    &alloc.state_dump(),
+                    &dump,
+                    "refused {:?} changed the state",
+                    op
+                );
             }
             checked(&dev, &alloc);
             for (i, &pool) in pools[..2].iter().enumerate() {
                 let st = alloc.pool_pause_state(pool).unwrap();
                 let stats = alloc.pool_stats(pool).unwrap();
                 prop_assert_eq!(st.is_paused(), paused[i]);
-                prop_assert_eq!(st.paused_bytes as i64, stats.reserved_paused_bytes.all().current);
+                prop_assert_eq!(
+                    st.paused_bytes as i64,
+                    stats.reserved_paused_bytes.all().current
+                );
                 if paused[i] {
                     prop_assert_eq!(stats.reserved_bytes.all().current, 0);
                 }
             }
             prop_assert_eq!(
                 dev.host_buffer_bytes(),
-                pools[..2].iter().map(|&p| alloc.pool_pause_state(p).unwrap().host_bytes).sum::<u64>()
+                pools[..2]
+                    .iter()
+                    .map(|&p| alloc.pool_pause_state(p).unwrap().host_bytes)
+                    .sum::<u64>()
             );
             for (&p, l) in &live {
                 if l.pool < 2 && paused[l.pool] {
-                    prop_assert!(dev.read(p, 1).is_err(), "{:#x} of a paused pool is mapped", p);
+                    prop_assert!(
+                        dev.read(p, 1).is_err(),
+                        "{:#x} of a paused pool is mapped",
+                        p
+                    );
                 } else if let Some(s) = l.seed {
                     verify_probes(&dev, p, l.size, s).map_err(TestCaseError::fail)?;
                 }

@@ -91,6 +91,9 @@ fn pause_and_resume_through_the_c_abi() {
     ok(sp_free(small));
 
     ok(sp_pool_resume(0, kv));
+    // The backup's pinned buffer stays for the next pause until the pool's cache is emptied.
+    assert_eq!(info(kv), (0, 0, reserved as u64));
+    ok(sp_pool_empty_cache(0, kv));
     assert_eq!(info(kv), (0, 0, 0));
     assert_eq!(pool_stats(kv).reserved_bytes.all.current, reserved);
     expect(sp_pool_resume(0, kv), sp_status::SP_ERR_INVALID_STATE);
@@ -111,8 +114,14 @@ fn bad_input_is_refused_and_changes_nothing() {
     let unknown = sp_pool_id { a: 0, b: 424242 };
     for (status, want) in [
         (sp_pool_pause(0, kv, 2), sp_status::SP_ERR_INVALID_ARGUMENT),
-        (sp_pool_pause(0, kv, 0x8000_0001), sp_status::SP_ERR_INVALID_ARGUMENT),
-        (sp_pool_pause(0, default_pool, 0), sp_status::SP_ERR_INVALID_ARGUMENT),
+        (
+            sp_pool_pause(0, kv, 0x8000_0001),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        ),
+        (
+            sp_pool_pause(0, default_pool, 0),
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        ),
         (sp_pool_pause(0, unknown, 0), sp_status::SP_ERR_UNKNOWN_POOL),
         (sp_pool_pause(99, kv, 0), sp_status::SP_ERR_INVALID_ARGUMENT),
         // Small blocks of a pool that is not pausable sit in classic segments (16 MiB pages).
@@ -121,7 +130,10 @@ fn bad_input_is_refused_and_changes_nothing() {
         (sp_pool_resume(0, unknown), sp_status::SP_ERR_UNKNOWN_POOL),
         (sp_pool_resume(-7, kv), sp_status::SP_ERR_INVALID_ARGUMENT),
         // SAFETY: NULL out-pointers are allowed.
-        (unsafe { sp_pool_pause_info(0, unknown, null_mut(), null_mut(), null_mut()) }, sp_status::SP_ERR_UNKNOWN_POOL),
+        (
+            unsafe { sp_pool_pause_info(0, unknown, null_mut(), null_mut(), null_mut()) },
+            sp_status::SP_ERR_UNKNOWN_POOL,
+        ),
     ] {
         expect(status, want);
         assert!(!last_error().is_empty());

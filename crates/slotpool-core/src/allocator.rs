@@ -1348,8 +1348,7 @@ impl<D: Device> Allocator<D> {
                         let pages = seg.size.div_ceil(ps) as usize;
                         for p in 0..=pages {
                             // A paused page is shown where it was, as a paused run.
-                            let mapped =
-                                p < pages && (pt.is_mapped(p) || s.is_paused_page(sid, p));
+                            let mapped = p < pages && (pt.is_mapped(p) || s.is_paused_page(sid, p));
                             match (mapped, start) {
                                 (true, None) => start = Some(p),
                                 (false, Some(a)) => {

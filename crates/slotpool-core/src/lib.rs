@@ -49,12 +49,12 @@ pub use arena::{ArenaId, ArenaReport, Overlap};
 pub use checkpoint::{Checkpoint, RestoreDelta, RestoreDiff};
 pub use config::{Config, ConfigError, GrowthMode};
 pub use device::{
-    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostBuffer, PageHandle,
-    StreamId,
+    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostBuffer,
+    PageHandle, StreamId,
 };
 pub use error::{AllocError, AllocResult, OomReport};
-pub use pause::{PauseMode, PauseState};
 pub use history::{TraceAction, TraceEntry, TraceSink};
+pub use pause::{PauseMode, PauseState};
 pub use pool::{PoolId, PoolOptions};
 pub use route::{RouteFilter, current_thread_id};
 pub use stats::{MemoryStats, Stat, StatArray};

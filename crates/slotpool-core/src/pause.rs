@@ -82,7 +82,9 @@ fn runs_of(pages: &[PausedPage], ps: u64) -> Vec<Run> {
     for p in pages {
         match out.last_mut() {
             Some((seg, first, n, off))
-                if *seg == p.seg && *first + *n == p.page && *off + *n as u64 * ps == p.host_offset =>
+                if *seg == p.seg
+                    && *first + *n == p.page
+                    && *off + *n as u64 * ps == p.host_offset =>
             {
                 *n += 1
             }
@@ -133,9 +135,10 @@ impl Shard {
         out
     }
 
-    /// Copy `pages` to a new pinned host buffer. On error nothing is held.
+    /// Copy `pages` to a pinned host buffer: the spare one of the last backup if it is large
+    /// enough, else a new one. On error nothing is held.
     fn back_up(
-        &self,
+        &mut self,
         env: &Env<'_>,
         pages: &[PausedPage],
     ) -> Result<Option<(HostBuffer, u64)>, DeviceError> {
@@ -144,7 +147,15 @@ impl Shard {
         if size == 0 {
             return Ok(None);
         }
-        let buf = env.dev.alloc_host(size)?;
+        let (buf, held) = match self.host_spare.take() {
+            Some((buf, held)) if held >= size => (buf, held),
+            spare => {
+                if let Some((old, _)) = spare {
+                    env.dev.free_host(old)?;
+                }
+                (env.dev.alloc_host(size)?, size)
+            }
+        };
         for (seg, first, n, off) in runs_of(pages, ps) {
             let addr = self.segments[seg].addr + first as u64 * ps;
             if let Err(e) = env.dev.copy_to_host(buf, off, addr, n as u64 * ps) {
@@ -152,7 +163,7 @@ impl Shard {
                 return Err(e);
             }
         }
-        Ok(Some((buf, size)))
+        Ok(Some((buf, held)))
     }
 
     /// Pause this shard: unmap and give back `pages` (from [`Shard::mapped_pages`], the device
@@ -221,7 +232,8 @@ impl Shard {
             return;
         };
         for p in &pause.pages {
-            let mapped = matches!(&self.segments[p.seg].kind, SegmentKind::Vmm(pt) if pt.is_mapped(p.page));
+            let mapped =
+                matches!(&self.segments[p.seg].kind, SegmentKind::Vmm(pt) if pt.is_mapped(p.page));
             if mapped && let Ok(h) = self.unmap_page(env, p.seg, p.page) {
                 give_back(env, h);
             }
@@ -245,7 +257,7 @@ impl Shard {
         Ok(())
     }
 
-    /// The resume is done: forget the pause and free its backup.
+    /// The resume is done: forget the pause; its backup's buffer stays for the next one.
     fn resume_commit(&mut self, env: &Env<'_>) {
         let ps = env.page_size() as i64;
         let Some(pause) = self.pause.take() else {
@@ -256,17 +268,20 @@ impl Shard {
             self.stats.reserved_paused_bytes.dec(small, ps);
         }
         self.quick_off = pause.quick_off;
-        if let Some((buf, _)) = pause.host
-            && let Err(e) = env.dev.free_host(buf)
-        {
-            tracing::warn!(%e, "a paused pool's host backup could not be freed");
+        debug_assert!(self.host_spare.is_none(), "the backup took the spare");
+        if pause.host.is_some() {
+            self.host_spare = pause.host;
         }
     }
 
-    /// (paused bytes, host bytes) of this shard.
+    /// (paused bytes, host bytes: the backup and the spare buffer) of this shard.
     fn pause_bytes(&self, ps: u64) -> (u64, u64) {
-        self.pause.as_ref().map_or((0, 0), |p| {
-            (p.pages.len() as u64 * ps, p.host.map_or(0, |(_, n)| n))
+        let spare = self.host_spare.map_or(0, |(_, n)| n);
+        self.pause.as_ref().map_or((0, spare), |p| {
+            (
+                p.pages.len() as u64 * ps,
+                spare + p.host.map_or(0, |(_, n)| n),
+            )
         })
     }
 
@@ -323,8 +338,16 @@ impl Shard {
         }
         let have = &self.stats.reserved_paused_bytes;
         for (part, h, w) in [
-            ("small_pool", have.small_pool().current, recount.small_pool().current),
-            ("large_pool", have.large_pool().current, recount.large_pool().current),
+            (
+                "small_pool",
+                have.small_pool().current,
+                recount.small_pool().current,
+            ),
+            (
+                "large_pool",
+                have.large_pool().current,
+                recount.large_pool().current,
+            ),
         ] {
             if h != w {
                 return Err(format!(
@@ -397,7 +420,7 @@ impl<D: Device> Allocator<D> {
         let plans: Vec<_> = guards.iter().map(|s| s.mapped_pages(ps)).collect();
         let mut backups = Vec::with_capacity(cells.len());
         if mode == PauseMode::Backup {
-            for ((cell, s), pages) in cells.iter().zip(guards.iter()).zip(&plans) {
+            for ((cell, s), pages) in cells.iter().zip(guards.iter_mut()).zip(&plans) {
                 match s.back_up(&self.env(&cell.pool_budget), pages) {
                     Ok(b) => backups.push(b),
                     Err(e) => {
@@ -448,7 +471,9 @@ impl<D: Device> Allocator<D> {
         let mut pools = lock(&self.pools);
         let entry = pools.get_mut(&pool).ok_or(AllocError::UnknownPool(pool))?;
         if entry.paused.is_none() {
-            return Err(AllocError::InvalidState(format!("pool {pool} is not paused")));
+            return Err(AllocError::InvalidState(format!(
+                "pool {pool} is not paused"
+            )));
         }
         if self.capture_underway() {
             return Err(AllocError::InvalidState(format!(

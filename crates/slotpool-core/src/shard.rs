@@ -136,6 +136,9 @@ pub struct Shard {
     pub(crate) pausable: bool,
     /// Set while the pool is paused: what the resume maps again (`pause.rs`).
     pub(crate) pause: Option<Box<crate::pause::ShardPause>>,
+    /// The pinned host buffer of the last backup, kept for the next one (pinning memory costs
+    /// far more than copying it); freed with the rest of the cache by `release_cached`.
+    pub(crate) host_spare: Option<(crate::device::HostBuffer, u64)>,
     pub stats: MemoryStats,
 }
 
@@ -192,6 +195,7 @@ impl Shard {
             free_searches: 0,
             pausable: false,
             pause: None,
+            host_spare: None,
             stats,
         }
     }
@@ -1276,6 +1280,11 @@ impl Shard {
         // A paused shard holds no mapped page, and its segments stay for the resume.
         if env.capture_underway || self.pause.is_some() {
             return out;
+        }
+        if let Some((buf, _)) = self.host_spare.take()
+            && env.dev.free_host(buf).is_err()
+        {
+            tracing::warn!("a paused pool's spare host buffer could not be freed");
         }
         self.flush_quick(env);
         self.prune_marks();

@@ -121,7 +121,10 @@ impl<D: Device> Allocator<D> {
         }
         let _reclaim = lock(&self.reclaim);
         // Under `reclaim`, which pause and resume hold too.
-        if lock(&self.pools).get(&pool).is_some_and(|e| e.paused.is_some()) {
+        if lock(&self.pools)
+            .get(&pool)
+            .is_some_and(|e| e.paused.is_some())
+        {
             return Err(AllocError::PoolPaused(pool));
         }
         let mut diff = RestoreDiff::default();

@@ -54,7 +54,13 @@ impl CudaDevice {
     }
 
     /// The host address of `size` bytes at `offset` in `buf`, checked against its size.
-    fn host_range(&self, call: &str, buf: HostBuffer, offset: u64, size: u64) -> DeviceResult<usize> {
+    fn host_range(
+        &self,
+        call: &str,
+        buf: HostBuffer,
+        offset: u64,
+        size: u64,
+    ) -> DeviceResult<usize> {
         let host = self.host.lock().unwrap_or_else(|e| e.into_inner());
         let len = host.get(&buf.0).copied().ok_or_else(|| {
             DeviceError::InvalidArgument(format!("{call}: {:#x} is not a live host buffer", buf.0))

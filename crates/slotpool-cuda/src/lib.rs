@@ -66,8 +66,8 @@
 compile_error!("slotpool-cuda stores CUDA handles as u64 and supports 64-bit targets only");
 
 mod device;
-mod host;
 pub mod error;
+mod host;
 mod ipc;
 
 pub use device::{CudaDevice, driver_present};

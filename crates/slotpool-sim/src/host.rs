@@ -59,7 +59,13 @@ impl HostMemory {
         }
     }
 
-    fn buffer(&mut self, call: &str, buf: HostBuffer, offset: u64, size: u64) -> DeviceResult<&mut Buffer> {
+    fn buffer(
+        &mut self,
+        call: &str,
+        buf: HostBuffer,
+        offset: u64,
+        size: u64,
+    ) -> DeviceResult<&mut Buffer> {
         let Some(b) = self.buffers.get_mut(&buf.0) else {
             return invalid(format!("{call}: unknown host buffer {}", buf.0));
         };
