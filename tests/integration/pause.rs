@@ -206,6 +206,10 @@ fn a_paused_pool_refuses_allocations_and_takes_frees() {
         alloc.mark_reusable(live[0].0),
         Err(AllocError::PoolPaused(pool))
     );
+    assert_eq!(
+        alloc.arena_create(pool, 0),
+        Err(AllocError::PoolPaused(pool))
+    );
     // empty_cache leaves the paused pool alone.
     let physical = dev.physical_bytes();
     let dump = alloc.state_dump();
@@ -275,6 +279,17 @@ fn refused_pauses_and_resumes_change_nothing() {
     assert!(alloc.pause_pool(pool, PauseMode::Backup).is_err());
     assert_eq!(alloc.state_dump(), dump);
     alloc.resume_pool(pool).unwrap();
+    checked(&dev, &alloc);
+    // A pool with an arena: its pages are the arena's, which a pause does not release.
+    let ar_pool = alloc.named_pool("arena", pausable()).unwrap();
+    let ar = alloc.arena_create(ar_pool, 0).unwrap();
+    alloc.arena_alloc(ar, 0, 0, MIB).unwrap();
+    let dump_arena = alloc.state_dump();
+    let e = alloc.pause_pool(ar_pool, PauseMode::Discard).unwrap_err();
+    assert!(e.to_string().contains("arenas"), "{e}");
+    assert_eq!(alloc.state_dump(), dump_arena);
+    alloc.arena_free(ar, 0, 0).unwrap();
+    alloc.arena_destroy(ar).unwrap();
     checked(&dev, &alloc);
 }
 
