@@ -3,6 +3,7 @@
 bandwidth of the same run.
 
 usage: python3 benches/gpu/pause_cycle.py [--scale F] [--sizes 1,10,40] [--out DIR]
+       (after ./benches/gpu/prepare.sh here; DIR defaults to $OUT, else /tmp/slotpool-pause)
 
 Parts (each in its own process; results in DIR/pause_cycle.json, the table last on stdout):
   cycle    weights (10 GB x F, backed up), KV cache (20 GB x F, discarded) and the decode graph's
@@ -120,6 +121,11 @@ def fill_kv(torch, kv):
         kv[a:b].copy_(torch.sin(rows[a:b] * 0.001 + cols * 0.01))
 
 
+def margin(model_bytes):
+    """Room left under the limit for the step's transients (gradients, temporaries)."""
+    return max(0.25 * model_bytes, 2 * GB)
+
+
 def training_step(torch, act_bytes):
     """A training step whose activations take about `act_bytes`: chunks of [N, 4096] bf16 and their
     products with W, both saved by autograd, then backward and one SGD update."""
@@ -178,7 +184,7 @@ def child_cycle(scale, fraction):
     # A training step that needs more than was free before the pause (within the fraction).
     held_other = torch.cuda.memory_reserved() - sum(
         sp.pool_stats(p)["reserved_bytes.all.current"] for p in pools.values())
-    act = int(limit - held_other - 0.25 * want)
+    act = int(limit - held_other - margin(want))
     torch.cuda.reset_peak_memory_stats()
     step_error = None
     try:
@@ -215,7 +221,7 @@ def child_native(scale, fraction):
     total = torch.cuda.mem_get_info()[1]
     want = sum(w.numel() * 2 for w in weights) + kv.numel() * 2
     limit = int(total * fraction)
-    act = int(limit - 0.25 * want - (torch.cuda.memory_reserved() - want))
+    act = int(limit - margin(want) - (torch.cuda.memory_reserved() - want))
     try:
         training_step(torch, act)
         oom = False
@@ -355,7 +361,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=1.0, help="model sizes x this (1: 20+10 GB)")
     ap.add_argument("--sizes", default="1,10,40", help="pool sizes for the times, GB")
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(REPO, "pause_results")))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/slotpool-pause"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     # The memory limit: twice the model, so that the training step needs the paused memory.
