@@ -38,14 +38,17 @@ fn checked(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
     assert_eq!(dev.physical_bytes(), alloc.held_bytes(), "device vs budget");
 }
 
-/// A pausable named pool on a device with 16 MiB pages, where small blocks of other pools take
-/// classic segments: (device, allocator, pool, [(ptr, size, seed)]).
-fn filled_pool() -> (
+/// What [`filled_pool`] makes: (device, allocator, pool, [(ptr, size, seed)]).
+type Filled = (
     std::sync::Arc<SimDevice>,
     Allocator<SimDevice>,
     PoolId,
     Vec<(u64, u64, u64)>,
-) {
+);
+
+/// A pausable named pool on a device with 16 MiB pages, where small blocks of other pools take
+/// classic segments.
+fn filled_pool() -> Filled {
     let (dev, alloc) = setup_paged(GrowthMode::Vmm, 1 << 30, Some(16 * MIB));
     let pool = alloc.named_pool("kv", pausable()).unwrap();
     let mut live = Vec::new();

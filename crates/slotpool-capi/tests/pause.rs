@@ -40,6 +40,12 @@ fn info(id: sp_pool_id) -> (c_int, u64, u64) {
     (paused, bytes, host)
 }
 
+/// `sp_pool_pause_info` with every out-pointer NULL.
+fn no_info(id: sp_pool_id) -> sp_status {
+    // SAFETY: NULL out-pointers are allowed.
+    unsafe { sp_pool_pause_info(0, id, null_mut(), null_mut(), null_mut()) }
+}
+
 fn pool_stats(id: sp_pool_id) -> sp_memory_stats {
     let mut s = sp_memory_stats::default();
     // SAFETY: valid out-pointer.
@@ -129,18 +135,13 @@ fn bad_input_is_refused_and_changes_nothing() {
         (sp_pool_resume(0, kv), sp_status::SP_ERR_INVALID_STATE),
         (sp_pool_resume(0, unknown), sp_status::SP_ERR_UNKNOWN_POOL),
         (sp_pool_resume(-7, kv), sp_status::SP_ERR_INVALID_ARGUMENT),
-        // SAFETY: NULL out-pointers are allowed.
-        (
-            unsafe { sp_pool_pause_info(0, unknown, null_mut(), null_mut(), null_mut()) },
-            sp_status::SP_ERR_UNKNOWN_POOL,
-        ),
+        (no_info(unknown), sp_status::SP_ERR_UNKNOWN_POOL),
     ] {
         expect(status, want);
         assert!(!last_error().is_empty());
     }
     assert!(last_error().contains("unknown pool"), "{}", last_error());
-    // SAFETY: NULL out-pointers are allowed.
-    ok(unsafe { sp_pool_pause_info(0, kv, null_mut(), null_mut(), null_mut()) });
+    ok(no_info(kv));
     assert_eq!((pool_stats(plain), pool_stats(kv), snapshot()), before);
     ok(sp_free(p));
     ok(sp_free(q));

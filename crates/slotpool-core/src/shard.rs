@@ -80,9 +80,9 @@ pub struct Released {
 ///    pages (6) and as inactive for the statistics (7), and there are none while a checkpoint is
 ///    alive.
 /// 10. Paused (`pause` is set, see `pause.rs`): the pause lists each paused page once, in a vmm
-///    segment, unmapped, with its own stretch of the host backup if there is one; the quick
-///    cache is empty and off; `reserved_paused_bytes` counts the listed pages. Not paused:
-///    `reserved_paused_bytes` is 0.
+///     segment, unmapped, with its own stretch of the host backup if there is one; the quick
+///     cache is empty and off; `reserved_paused_bytes` counts the listed pages. Not paused:
+///     `reserved_paused_bytes` is 0.
 #[derive(Debug)]
 pub struct Shard {
     pub pool: PoolId,
