@@ -4,6 +4,7 @@ mod common;
 mod gc;
 mod lifetimes;
 mod model;
+mod pause;
 mod peaks;
 mod quick;
 mod races;

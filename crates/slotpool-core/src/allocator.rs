@@ -62,6 +62,8 @@ pub(crate) struct PoolEntry {
     /// Checkpoints of the pool taken so far (dead ones pruned at each new one): a shard born
     /// while one is alive keeps no quick cache (`Shard::quick_off`).
     pub checkpoints: Vec<Weak<crate::checkpoint::CheckpointToken>>,
+    /// Set while the pool is paused (`pause.rs`): no shard of it is created meanwhile.
+    pub paused: Option<crate::pause::PauseMode>,
 }
 
 static NEXT_ALLOCATOR_UID: AtomicU64 = AtomicU64::new(1);
@@ -148,6 +150,7 @@ impl<D: Device> Allocator<D> {
                 options: PoolOptions::default(),
                 budget: Arc::new(Budget::new(u64::MAX)),
                 checkpoints: Vec::new(),
+                paused: None,
             },
         );
         Allocator {
@@ -343,6 +346,7 @@ impl<D: Device> Allocator<D> {
                 Err(ShardError::OutOfMemory) => {
                     return self.alloc_after_oom(pool, stream, rounded, size);
                 }
+                Err(ShardError::Paused) => return Err(AllocError::PoolPaused(pool)),
                 Err(e) => return Err(shard_error(e)),
             }
         }
@@ -544,18 +548,27 @@ impl<D: Device> Allocator<D> {
     /// is in use. The caller keeps its pointer but must not free it again (the PyTorch shim
     /// swallows that later free). Returns the block's size.
     pub fn mark_reusable(&self, ptr: DevicePtr) -> AllocResult<u64> {
-        self.with_owner(ptr, |cell, s| {
+        let r = self.with_owner(ptr, |cell, s| {
+            let pool = s.pool;
+            if s.pause.is_some() {
+                // Its pages are not mapped: retention could not be recorded.
+                return Err((ShardError::Paused, pool));
+            }
             let env = self.env(&cell.pool_budget);
-            let id = s.lookup(ptr).ok_or(ShardError::UnknownPointer)?;
+            let unknown = (ShardError::UnknownPointer, pool);
+            let id = s.lookup(ptr).ok_or(unknown.clone())?;
             let (seg, size) = {
-                let b = s.block(id).ok_or(ShardError::UnknownPointer)?;
+                let b = s.block(id).ok_or(unknown)?;
                 (b.segment, b.size)
             };
             s.retain_range(&env, seg, ptr, size);
-            s.free(&env, ptr).map(|()| size)
-        })
-        .ok_or(AllocError::UnknownPointer(ptr))?
-        .map_err(shard_error)
+            s.free(&env, ptr).map(|()| size).map_err(|e| (e, pool))
+        });
+        match r.ok_or(AllocError::UnknownPointer(ptr))? {
+            Ok(size) => Ok(size),
+            Err((ShardError::Paused, pool)) => Err(AllocError::PoolPaused(pool)),
+            Err((e, _)) => Err(shard_error(e)),
+        }
     }
 
     /// Note that `ptr` is used on `stream` (`Tensor.record_stream`): it is reused on another
@@ -685,6 +698,10 @@ impl<D: Device> Allocator<D> {
         if let Some(cell) = shards.get(&(pool, stream)) {
             return Ok(cell.clone());
         }
+        if entry.paused.is_some() {
+            // A new shard would have nothing to serve from.
+            return Err(AllocError::PoolPaused(pool));
+        }
         let mut shard = Shard::new(
             pool,
             stream,
@@ -693,6 +710,7 @@ impl<D: Device> Allocator<D> {
             self.shared.allocated.new_lease(),
         );
         shard.quick_off = entry.checkpoints.iter().any(|c| c.strong_count() > 0);
+        shard.pausable = entry.options.pausable;
         let cell = Arc::new(ShardCell {
             shard: crate::sync::ShardMutex::new(shard),
             pool_budget: entry.budget.clone(),
@@ -788,6 +806,7 @@ impl<D: Device> Allocator<D> {
             budget: Arc::new(Budget::new(options.limit.unwrap_or(u64::MAX))),
             options,
             checkpoints: Vec::new(),
+            paused: None,
         });
         e.use_count += 1;
         e.use_count
@@ -826,6 +845,7 @@ impl<D: Device> Allocator<D> {
                 options: options.clone(),
                 budget: Arc::new(Budget::new(options.limit.unwrap_or(u64::MAX))),
                 checkpoints: Vec::new(),
+                paused: None,
             },
         );
         Ok(id)
@@ -1389,6 +1409,7 @@ impl<D: Device> Allocator<D> {
     /// Every segment of every pool and stream with its blocks, in address order (for PyTorch's
     /// `memory_snapshot()`). A vmm reservation is reported as one segment per contiguous run of
     /// mapped pages, as PyTorch reports expandable segments; free blocks are clipped to the run.
+    /// A paused pool's segments are reported with the pages that its resume maps, `paused` set.
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
         let ps = self.shared.page_size.max(1);
         let mut out = Vec::new();
@@ -1411,7 +1432,8 @@ impl<D: Device> Allocator<D> {
                         let mut start: Option<usize> = None;
                         let pages = seg.size.div_ceil(ps) as usize;
                         for p in 0..=pages {
-                            let mapped = p < pages && pt.is_mapped(p);
+                            // A paused page is shown where it was, as a paused run.
+                            let mapped = p < pages && (pt.is_mapped(p) || s.is_paused_page(sid, p));
                             match (mapped, start) {
                                 (true, None) => start = Some(p),
                                 (false, Some(a)) => {
@@ -1446,6 +1468,7 @@ impl<D: Device> Allocator<D> {
                         size: hi - lo,
                         small: seg.small,
                         vmm: seg.is_vmm(),
+                        paused: s.pause.is_some(),
                         blocks: clipped,
                     });
                 }
@@ -1464,6 +1487,7 @@ pub(crate) fn shard_error(e: ShardError) -> AllocError {
         ShardError::NotVmm => AllocError::InvalidState("not a vmm segment".into()),
         ShardError::PageNotMapped => AllocError::InvalidState("page not mapped".into()),
         ShardError::Retired => AllocError::InvalidState("the shard was forgotten".into()),
+        ShardError::Paused => AllocError::InvalidState("the pool is paused".into()),
     }
 }
 
@@ -1490,6 +1514,8 @@ pub struct SegmentSnapshot {
     pub small: bool,
     /// Part of a vmm reservation (PyTorch's `is_expandable`).
     pub vmm: bool,
+    /// Its pool is paused: the run's pages are given back and mapped again by the resume.
+    pub paused: bool,
     /// Blocks in address order, tiling `[addr, addr + size)`.
     pub blocks: Vec<BlockSnapshot>,
 }
