@@ -9,17 +9,33 @@
 //! arena holds the sum over slots of each slot's largest size: the largest branch whenever one
 //! branch is at least as large as the others in every slot (as context-parallel variants are).
 //!
-//! Mutual exclusion is the caller's promise. In debug mode the arena records which branch holds
-//! each live range and refuses (and reports) an allocation that overlaps another branch's.
+//! An allocation is identified by its (branch, slot): it is live from `arena_alloc` to
+//! `arena_free` of that pair, whatever other branches do with the same slot. Mutual exclusion is
+//! the caller's promise; in debug mode the arena refuses (and reports) an allocation that overlaps
+//! a live one of another branch.
+//!
+//! [`Arena`] is a state machine fed one [`Env`] per call, as a shard is. Every call validates
+//! before it changes anything: a refused call changes nothing, and one that fails for lack of
+//! memory gives back what it took (outside a capture; during one, pages it mapped stay mapped,
+//! since unmapping is illegal then, and serve the arena's next growth). The arena holds a use of
+//! its pool and the pool's budget, so the pool lives while the arena does.
+//!
+//! Its pages are counted in its own [`MemoryStats`] as one large vmm segment of its pool, merged
+//! into the device's and the pool's statistics: a slot live in any branch is one allocation of
+//! the slot's size (the snapshot shows the same block).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use crate::allocator::Allocator;
-use crate::device::{Device, DevicePtr, DeviceResult, PageHandle, StreamId};
+use crate::allocator::{Allocator, BlockSnapshot, SegmentSnapshot};
+use crate::block::BlockState;
+use crate::device::{Device, DeviceError, DevicePtr, DeviceResult, PageHandle, StreamId};
+use crate::env::{Budget, Env};
 use crate::error::{AllocError, AllocResult};
 use crate::policy::MIN_BLOCK_SIZE;
 use crate::pool::PoolId;
+use crate::stats::MemoryStats;
 use crate::sync::lock;
 
 /// An arena's id, unique per allocator.
@@ -46,14 +62,32 @@ pub struct ArenaReport {
     pub mapped: u64,
     pub slots: usize,
     pub relocations: u64,
+    /// Live allocations: (branch, slot) pairs allocated and not freed.
     pub live: usize,
     pub overlaps: Vec<Overlap>,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Slot {
     offset: u64,
     size: u64,
+}
+
+/// Where a request puts its slot, decided before anything changes.
+#[derive(Clone, Copy, Debug)]
+struct Plan {
+    slot: Slot,
+    /// The arena's end once the slot is placed.
+    end: u64,
+    moved: bool,
+}
+
+/// A live allocation's numbers as the statistics count them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Held {
+    slots: i64,
+    bytes: i64,
+    requested: i64,
 }
 
 /// One arena's state.
@@ -61,33 +95,417 @@ struct Slot {
 pub(crate) struct Arena {
     pool: PoolId,
     stream: StreamId,
+    /// The budget of the pool (the incarnation) the arena holds a use of.
+    pool_budget: Arc<Budget>,
     base: DevicePtr,
     capacity: u64,
     end: u64,
     slots: BTreeMap<u32, Slot>,
+    /// Pages mapped at `base`, `base + page`, ... in order.
     pages: Vec<PageHandle>,
-    /// Live allocations: offset -> (end, branch, slot).
-    live: BTreeMap<u64, (u64, u32, u32)>,
+    /// Live allocations: (branch, slot) -> requested size.
+    live: BTreeMap<(u32, u32), u64>,
     debug: bool,
     relocations: u64,
     overlaps: Vec<Overlap>,
+    stats: MemoryStats,
+    /// What `stats` counts of the live slots now (see [`Arena::held`]).
+    counted: Held,
+}
+
+impl Arena {
+    /// Validate `size` and round it to the slot granularity.
+    fn slot_size(size: u64) -> AllocResult<u64> {
+        if size == 0 || size > crate::allocator::MAX_REQUEST {
+            return Err(AllocError::InvalidSize(size));
+        }
+        Ok(size.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE)
+    }
+
+    /// Where slot `slot` goes to hold `size` (rounded) bytes. Changes nothing.
+    fn plan(&self, slot: u32, size: u64) -> AllocResult<Plan> {
+        let (offset, moved) = match self.slots.get(&slot) {
+            Some(s) if s.size >= size => (s.offset, false),
+            Some(s) if s.offset + s.size == self.end => (s.offset, false),
+            Some(_) => (self.end, true),
+            None => (self.end, false),
+        };
+        if moved && self.live.keys().any(|&(_, s)| s == slot) {
+            return Err(AllocError::InvalidState(format!(
+                "slot {slot} must grow but is live in another branch and cannot move"
+            )));
+        }
+        let keep = self.slots.get(&slot).map_or(0, |s| s.size);
+        let size = size.max(keep);
+        let end = offset
+            .checked_add(size)
+            .filter(|&e| e <= self.capacity)
+            .ok_or_else(|| AllocError::OutOfMemory(Box::default()))?;
+        Ok(Plan {
+            slot: Slot { offset, size },
+            end: self.end.max(end),
+            moved,
+        })
+    }
+
+    fn commit(&mut self, slot: u32, plan: Plan) {
+        if plan.moved {
+            self.relocations += 1;
+        }
+        self.slots.insert(slot, plan.slot);
+        self.end = plan.end;
+    }
+
+    /// The live allocation of another branch that `[offset, offset + len)` overlaps, if any.
+    fn clash(&self, branch: u32, offset: u64, len: u64) -> Option<(u32, u32, u64)> {
+        self.live.iter().find_map(|(&(b, s), &req)| {
+            let o = self.slots[&s].offset;
+            (b != branch && o < offset + len && offset < o + req).then_some((b, s, o.max(offset)))
+        })
+    }
+
+    /// Reserve (place or grow) slot `slot` for `size` bytes; its offset.
+    pub(crate) fn reserve_slot(&mut self, env: &Env, slot: u32, size: u64) -> AllocResult<u64> {
+        let plan = self.plan(slot, Self::slot_size(size)?)?;
+        self.grow(env, plan.end)?;
+        self.commit(slot, plan);
+        Ok(plan.slot.offset)
+    }
+
+    /// Allocate slot `slot` for `branch`.
+    pub(crate) fn alloc(
+        &mut self,
+        env: &Env,
+        branch: u32,
+        slot: u32,
+        size: u64,
+    ) -> AllocResult<DevicePtr> {
+        let rounded = Self::slot_size(size)?;
+        if self.live.contains_key(&(branch, slot)) {
+            return Err(AllocError::InvalidState(format!(
+                "slot {slot} of branch {branch} is already live"
+            )));
+        }
+        let plan = self.plan(slot, rounded)?;
+        if self.debug
+            && let Some((b, s, at)) = self.clash(branch, plan.slot.offset, size)
+        {
+            let ov = Overlap {
+                branch,
+                slot,
+                other_branch: b,
+                other_slot: s,
+                addr: self.base + at,
+            };
+            let msg = format!(
+                "branch {branch} slot {slot} overlaps live branch {b} slot {s} at {:#x}: \
+                 branches are not mutually exclusive",
+                ov.addr
+            );
+            self.overlaps.push(ov);
+            return Err(AllocError::InvalidState(msg));
+        }
+        self.grow(env, plan.end)?;
+        self.commit(slot, plan);
+        self.live.insert((branch, slot), size);
+        self.recount(env);
+        Ok(self.base + plan.slot.offset)
+    }
+
+    /// Free slot `slot` of `branch`; nothing else.
+    pub(crate) fn free(&mut self, env: &Env, branch: u32, slot: u32) -> AllocResult<()> {
+        if self.live.remove(&(branch, slot)).is_none() {
+            return Err(AllocError::InvalidState(format!(
+                "slot {slot} of branch {branch} is not live"
+            )));
+        }
+        self.recount(env);
+        Ok(())
+    }
+
+    /// The live slots as the statistics count them: a slot live in any branch is one allocation
+    /// of the slot's size, requesting the largest size any of its branches asked for.
+    fn held(&self) -> Held {
+        let mut largest: BTreeMap<u32, u64> = BTreeMap::new();
+        for (&(_, s), &req) in &self.live {
+            let e = largest.entry(s).or_default();
+            *e = (*e).max(req);
+        }
+        largest.iter().fold(Held::default(), |h, (s, &req)| Held {
+            slots: h.slots + 1,
+            bytes: h.bytes + self.slots[s].size as i64,
+            requested: h.requested + req as i64,
+        })
+    }
+
+    /// Bring the allocation statistics (and the device-wide allocated counter) to [`Arena::held`].
+    fn recount(&mut self, env: &Env) {
+        let now = self.held();
+        let was = std::mem::replace(&mut self.counted, now);
+        let st = &mut self.stats;
+        for (s, d) in [
+            (&mut st.allocation, now.slots - was.slots),
+            (&mut st.active, now.slots - was.slots),
+            (&mut st.allocated_bytes, now.bytes - was.bytes),
+            (&mut st.active_bytes, now.bytes - was.bytes),
+            (&mut st.requested_bytes, now.requested - was.requested),
+        ] {
+            if d != 0 {
+                s.update(false, d);
+            }
+        }
+        if now.bytes != was.bytes {
+            env.allocated.add(now.bytes - was.bytes);
+        }
+    }
+
+    /// Map pages until `[0, end)` is backed. All or nothing, except during a capture (see the
+    /// module documentation).
+    fn grow(&mut self, env: &Env, end: u64) -> AllocResult<()> {
+        let ps = env.page_size();
+        let need = end.div_ceil(ps) as usize;
+        if need <= self.pages.len() {
+            return Ok(());
+        }
+        let n = need - self.pages.len();
+        let bytes = n as u64 * ps;
+        if !env.pool_budget.try_claim(bytes) {
+            return Err(AllocError::OutOfMemory(Box::default()));
+        }
+        let mut got: Vec<(PageHandle, bool)> = Vec::with_capacity(n);
+        let mut failed = None;
+        while got.len() < n {
+            match take_page(env) {
+                Ok(p) => got.push(p),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        let at = self.base + self.pages.len() as u64 * ps;
+        let mut mapped = 0;
+        if failed.is_none() {
+            let handles: Vec<PageHandle> = got.iter().map(|&(p, _)| p).collect();
+            if !env.capture_underway {
+                match env.dev.map_run(at, &handles) {
+                    Ok(()) => mapped = n,
+                    Err(e) => failed = Some(e),
+                }
+            } else {
+                // Unmapping is illegal during a capture: map one by one and keep what mapped.
+                for &h in &handles {
+                    if let Err(e) = env.dev.map(at + mapped as u64 * ps, h) {
+                        failed = Some(e);
+                        break;
+                    }
+                    mapped += 1;
+                }
+            }
+        }
+        for &(p, _) in &got[..mapped] {
+            self.pages.push(p);
+        }
+        if mapped > 0 {
+            env.budget.note_peak();
+            if self.stats.segment.all().current == 0 {
+                self.stats.segment.inc(false, 1);
+            }
+            self.stats
+                .reserved_bytes
+                .inc(false, (mapped as u64 * ps) as i64);
+            self.stats.num_device_alloc += mapped as i64;
+        }
+        env.pool_budget.release((n - mapped) as u64 * ps);
+        for &(p, fresh) in &got[mapped..] {
+            give_page(env, p, fresh);
+        }
+        match failed {
+            None => Ok(()),
+            Some(DeviceError::OutOfMemory) => Err(AllocError::OutOfMemory(Box::default())),
+            Some(e) => Err(AllocError::Device(e)),
+        }
+    }
+
+    /// Unmap every page, last first, into the device's page pool. On a device error the pages
+    /// still mapped stay the arena's.
+    fn unmap_all(&mut self, env: &Env) -> DeviceResult<()> {
+        let ps = env.page_size();
+        while let Some(&page) = self.pages.last() {
+            env.dev
+                .unmap(self.base + (self.pages.len() as u64 - 1) * ps)?;
+            self.pages.pop();
+            env.pages.put(page);
+            env.pool_budget.release(ps);
+            self.stats.reserved_bytes.dec(false, ps as i64);
+            self.stats.num_device_free += 1;
+            if self.pages.is_empty() {
+                self.stats.segment.dec(false, 1);
+            }
+        }
+        Ok(())
+    }
+
+    fn report(&self, ps: u64) -> ArenaReport {
+        ArenaReport {
+            base: self.base,
+            size: self.end,
+            mapped: self.pages.len() as u64 * ps,
+            slots: self.slots.len(),
+            relocations: self.relocations,
+            live: self.live.len(),
+            overlaps: self.overlaps.clone(),
+        }
+    }
+
+    /// The mapped pages as one vmm segment of the arena's pool: each slot a block (allocated
+    /// while live in any branch), the space between and after them free.
+    fn snapshot(&self, ps: u64) -> Option<SegmentSnapshot> {
+        let size = self.pages.len() as u64 * ps;
+        if size == 0 {
+            return None;
+        }
+        let mut requested: BTreeMap<u32, u64> = BTreeMap::new();
+        for (&(_, s), &req) in &self.live {
+            let e = requested.entry(s).or_default();
+            *e = (*e).max(req);
+        }
+        let mut slots: Vec<(u32, Slot)> = self.slots.iter().map(|(&k, &s)| (k, s)).collect();
+        slots.sort_unstable_by_key(|(_, s)| s.offset);
+        let mut blocks = Vec::new();
+        let mut at = 0;
+        let free = |addr: u64, size: u64| BlockSnapshot {
+            addr,
+            size,
+            requested: 0,
+            state: BlockState::Free,
+        };
+        for (k, s) in slots {
+            let hi = (s.offset + s.size).min(size);
+            if s.offset >= hi {
+                continue;
+            }
+            if s.offset > at {
+                blocks.push(free(self.base + at, s.offset - at));
+            }
+            blocks.push(match requested.get(&k) {
+                Some(&req) => BlockSnapshot {
+                    addr: self.base + s.offset,
+                    size: hi - s.offset,
+                    requested: req,
+                    state: BlockState::Allocated,
+                },
+                None => free(self.base + s.offset, hi - s.offset),
+            });
+            at = hi;
+        }
+        if at < size {
+            blocks.push(free(self.base + at, size - at));
+        }
+        Some(SegmentSnapshot {
+            pool: self.pool,
+            stream: self.stream,
+            addr: self.base,
+            size,
+            small: false,
+            vmm: true,
+            blocks,
+        })
+    }
+
+    /// The arena's own invariants: slots are disjoint and inside `[0, end)`, every live
+    /// allocation's slot exists and holds it, and the statistics match the pages and live slots.
+    fn check(&self, ps: u64) -> Result<(), String> {
+        let mut ranges: Vec<(u64, u64)> = self
+            .slots
+            .values()
+            .map(|s| (s.offset, s.offset + s.size))
+            .collect();
+        ranges.sort_unstable();
+        if ranges.windows(2).any(|w| w[0].1 > w[1].0)
+            || ranges.last().is_some_and(|r| r.1 > self.end)
+        {
+            return Err("slots overlap or pass the end".into());
+        }
+        for (&(b, s), &req) in &self.live {
+            match self.slots.get(&s) {
+                Some(sl)
+                    if sl.size >= req && sl.offset + sl.size <= self.pages.len() as u64 * ps => {}
+                _ => {
+                    return Err(format!(
+                        "live branch {b} slot {s} is not backed by its slot"
+                    ));
+                }
+            }
+        }
+        let st = &self.stats;
+        if st.reserved_bytes.all().current != (self.pages.len() as u64 * ps) as i64
+            || st.segment.all().current != i64::from(!self.pages.is_empty())
+        {
+            return Err("reserved bytes or segments differ from the pages".into());
+        }
+        let h = self.held();
+        if h != self.counted
+            || st.allocated_bytes.all().current != h.bytes
+            || st.allocation.all().current != h.slots
+            || st.requested_bytes.all().current != h.requested
+        {
+            return Err("allocation statistics differ from the live slots".into());
+        }
+        Ok(())
+    }
+}
+
+/// A page from the device's pool (`false`), else a new one within the device budget (`true`),
+/// not yet in its peak: the caller records the peak once the page is mapped.
+fn take_page(env: &Env) -> DeviceResult<(PageHandle, bool)> {
+    if let Some(p) = env.pages.take() {
+        return Ok((p, false));
+    }
+    let ps = env.page_size();
+    if !env.budget.try_claim_quietly(ps) {
+        return Err(DeviceError::OutOfMemory);
+    }
+    match env.dev.create_page() {
+        Ok(p) => Ok((p, true)),
+        Err(e) => {
+            env.budget.release(ps);
+            Err(e)
+        }
+    }
+}
+
+/// Undo [`take_page`]: a new page goes back to the device (outside a capture), any other to the
+/// device's pool.
+fn give_page(env: &Env, page: PageHandle, fresh: bool) {
+    if fresh && !env.capture_underway && env.dev.release_page(page).is_ok() {
+        env.budget.release(env.page_size());
+    } else {
+        env.pages.put(page);
+    }
 }
 
 impl<D: Device> Allocator<D> {
     /// Create an arena in `pool` (created if new) for work on `stream`. It reserves address
-    /// space only; pages are mapped as slots are placed.
+    /// space only; pages are mapped as slots are placed. The arena holds a use of the pool until
+    /// it is destroyed.
     pub fn arena_create(&self, pool: PoolId, stream: StreamId) -> AllocResult<ArenaId> {
-        if !pool.is_default() && !lock(&self.pools).contains_key(&pool) {
-            self.create_or_incref_pool(pool, Default::default())?;
-        }
         let capacity = self.shared.vmm_reservation;
         let base = self.dev.reserve(capacity)?;
+        let pool_budget = match self.take_pool_use(pool) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = self.dev.release_reservation(base, capacity);
+                return Err(e);
+            }
+        };
         let id = self.next_arena.fetch_add(1, Ordering::Relaxed);
         lock(&self.arenas).insert(
             id,
             Arena {
                 pool,
                 stream,
+                pool_budget,
                 base,
                 capacity,
                 end: 0,
@@ -97,24 +515,62 @@ impl<D: Device> Allocator<D> {
                 debug: false,
                 relocations: 0,
                 overlaps: Vec::new(),
+                stats: MemoryStats::default(),
+                counted: Held::default(),
             },
         );
         Ok(ArenaId(id))
     }
 
-    /// Turn the overlap check on or off.
-    pub fn arena_set_debug(&self, arena: ArenaId, on: bool) -> AllocResult<()> {
+    /// One use of `pool` (created if new) and its budget.
+    fn take_pool_use(&self, pool: PoolId) -> AllocResult<Arc<Budget>> {
+        if !pool.is_default() {
+            self.create_or_incref_pool(pool, Default::default())?;
+        }
+        lock(&self.pools)
+            .get(&pool)
+            .map(|e| e.budget.clone())
+            .ok_or(AllocError::UnknownPool(pool))
+    }
+
+    /// Give back the use an arena took of its pool, if that pool is still the one it took.
+    fn give_pool_use(&self, a: &Arena) {
+        if a.pool.is_default() {
+            return;
+        }
+        if let Some(e) = lock(&self.pools).get_mut(&a.pool)
+            && Arc::ptr_eq(&e.budget, &a.pool_budget)
+        {
+            e.use_count = e.use_count.saturating_sub(1);
+        }
+    }
+
+    /// Run `f` on arena `arena` with its environment.
+    fn with_arena<R>(
+        &self,
+        arena: ArenaId,
+        f: impl FnOnce(&mut Arena, &Env) -> AllocResult<R>,
+    ) -> AllocResult<R> {
         let mut arenas = lock(&self.arenas);
         let a = arenas
             .get_mut(&arena.0)
             .ok_or_else(|| unknown_arena(arena))?;
-        a.debug = on;
-        Ok(())
+        let budget = a.pool_budget.clone();
+        let env = self.env(&budget);
+        f(a, &env)
+    }
+
+    /// Turn the overlap check on or off.
+    pub fn arena_set_debug(&self, arena: ArenaId, on: bool) -> AllocResult<()> {
+        self.with_arena(arena, |a, _| {
+            a.debug = on;
+            Ok(())
+        })
     }
 
     /// Declare slot `slot`'s size before any branch uses it, so that it never moves.
     pub fn arena_reserve_slot(&self, arena: ArenaId, slot: u32, size: u64) -> AllocResult<u64> {
-        self.place_slot(arena, slot, size)
+        self.with_arena(arena, |a, env| a.reserve_slot(env, slot, size))
     }
 
     /// Allocate slot `slot` for `branch`: the same address for every branch.
@@ -125,87 +581,31 @@ impl<D: Device> Allocator<D> {
         slot: u32,
         size: u64,
     ) -> AllocResult<DevicePtr> {
-        if size == 0 || size > crate::allocator::MAX_REQUEST {
-            return Err(AllocError::InvalidSize(size));
-        }
-        let offset = self.place_slot(arena, slot, size)?;
-        let mut arenas = lock(&self.arenas);
-        let a = arenas
-            .get_mut(&arena.0)
-            .ok_or_else(|| unknown_arena(arena))?;
-        let end = offset + size;
-        if a.live.values().any(|&(_, b, s)| b == branch && s == slot) {
-            return Err(AllocError::InvalidState(format!(
-                "slot {slot} of branch {branch} is already live"
-            )));
-        }
-        if a.debug {
-            let clash = a
-                .live
-                .range(..end)
-                .rev()
-                .find(|&(&o, &(e, b, _))| e > offset && o < end && b != branch)
-                .map(|(&o, &(_, b, s))| (o, b, s));
-            if let Some((o, b, s)) = clash {
-                let ov = Overlap {
-                    branch,
-                    slot,
-                    other_branch: b,
-                    other_slot: s,
-                    addr: a.base + o.max(offset),
-                };
-                a.overlaps.push(ov.clone());
-                return Err(AllocError::InvalidState(format!(
-                    "branch {branch} slot {slot} overlaps live branch {b} slot {s} at {:#x}: \
-                     branches are not mutually exclusive",
-                    ov.addr
-                )));
-            }
-        }
-        a.live.insert(offset, (end, branch, slot));
-        Ok(a.base + offset)
+        self.with_arena(arena, |a, env| a.alloc(env, branch, slot, size))
     }
 
     /// Free slot `slot` of `branch`.
     pub fn arena_free(&self, arena: ArenaId, branch: u32, slot: u32) -> AllocResult<()> {
-        let mut arenas = lock(&self.arenas);
-        let a = arenas
-            .get_mut(&arena.0)
-            .ok_or_else(|| unknown_arena(arena))?;
-        let key = a
-            .live
-            .iter()
-            .find(|(_, (_, b, s))| *b == branch && *s == slot)
-            .map(|(&o, _)| o)
-            .ok_or_else(|| {
-                AllocError::InvalidState(format!("slot {slot} of branch {branch} is not live"))
-            })?;
-        a.live.remove(&key);
-        Ok(())
+        self.with_arena(arena, |a, env| a.free(env, branch, slot))
     }
 
     /// What the arena holds.
     pub fn arena_report(&self, arena: ArenaId) -> AllocResult<ArenaReport> {
-        let arenas = lock(&self.arenas);
-        let a = arenas.get(&arena.0).ok_or_else(|| unknown_arena(arena))?;
-        Ok(ArenaReport {
-            base: a.base,
-            size: a.end,
-            mapped: a.pages.len() as u64 * self.shared.page_size,
-            slots: a.slots.len(),
-            relocations: a.relocations,
-            live: a.live.len(),
-            overlaps: a.overlaps.clone(),
-        })
+        let ps = self.shared.page_size;
+        self.with_arena(arena, |a, _| Ok(a.report(ps)))
     }
 
-    /// Destroy an arena: its pages and reservation go back. Refused while slots are live.
+    /// Destroy an arena: its pages go to the device's page pool, its reservation back to the
+    /// device, and its use of the pool is given back. Refused while any (branch, slot) is live
+    /// and during a capture.
     pub fn arena_destroy(&self, arena: ArenaId) -> AllocResult<()> {
         let mut arenas = lock(&self.arenas);
-        let a = arenas.get(&arena.0).ok_or_else(|| unknown_arena(arena))?;
+        let a = arenas
+            .get_mut(&arena.0)
+            .ok_or_else(|| unknown_arena(arena))?;
         if !a.live.is_empty() {
             return Err(AllocError::InvalidState(format!(
-                "arena {} has {} live slots",
+                "arena {} has {} live allocations",
                 arena.0,
                 a.live.len()
             )));
@@ -215,97 +615,17 @@ impl<D: Device> Allocator<D> {
                 "cannot unmap during a capture".into(),
             ));
         }
+        let budget = a.pool_budget.clone();
+        a.unmap_all(&self.env(&budget))?;
         let a = arenas
             .remove(&arena.0)
             .ok_or_else(|| unknown_arena(arena))?;
-        let ps = self.shared.page_size;
-        for (i, &page) in a.pages.iter().enumerate() {
-            self.dev.unmap(a.base + i as u64 * ps)?;
-            self.shared.pages.put(page);
-        }
-        self.arena_budget(a.pool, |b| b.release(a.pages.len() as u64 * ps));
+        self.give_pool_use(&a);
+        drop(arenas);
         self.dev.release_reservation(a.base, a.capacity)?;
         Ok(())
     }
 
-    fn arena_budget(&self, pool: PoolId, f: impl FnOnce(&crate::env::Budget)) {
-        if let Some(e) = lock(&self.pools).get(&pool) {
-            f(&e.budget);
-        }
-    }
-
-    /// The offset of `slot`, placing or growing it as needed.
-    fn place_slot(&self, arena: ArenaId, slot: u32, size: u64) -> AllocResult<u64> {
-        let size = size.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE;
-        let mut arenas = lock(&self.arenas);
-        let a = arenas
-            .get_mut(&arena.0)
-            .ok_or_else(|| unknown_arena(arena))?;
-        let (offset, new_end, moved) = match a.slots.get(&slot) {
-            Some(s) if s.size >= size => return Ok(s.offset),
-            Some(s) if s.offset + s.size == a.end => (s.offset, s.offset + size, false),
-            Some(_) => (a.end, a.end + size, true),
-            None => (a.end, a.end + size, false),
-        };
-        if moved && a.live.values().any(|&(_, _, s)| s == slot) {
-            return Err(AllocError::InvalidState(format!(
-                "slot {slot} must grow but is live in another branch and cannot move"
-            )));
-        }
-        if new_end > a.capacity {
-            return Err(AllocError::OutOfMemory(Box::default()));
-        }
-        let ps = self.shared.page_size;
-        let need = new_end.div_ceil(ps) as usize;
-        let pool = a.pool;
-        while a.pages.len() < need {
-            let budget = lock(&self.pools).get(&pool).map(|e| e.budget.clone());
-            let Some(budget) = budget else {
-                return Err(AllocError::UnknownPool(pool));
-            };
-            if !budget.try_claim(ps) {
-                return Err(AllocError::OutOfMemory(Box::default()));
-            }
-            let page = match self.shared.pages.take() {
-                Some(p) => Ok(p),
-                None => {
-                    if self.shared.budget.try_claim(ps) {
-                        self.dev
-                            .create_page()
-                            .inspect_err(|_| self.shared.budget.release(ps))
-                    } else {
-                        Err(crate::device::DeviceError::OutOfMemory)
-                    }
-                }
-            };
-            let page = match page {
-                Ok(p) => p,
-                Err(e) => {
-                    budget.release(ps);
-                    return Err(match e {
-                        crate::device::DeviceError::OutOfMemory => {
-                            AllocError::OutOfMemory(Box::default())
-                        }
-                        other => AllocError::Device(other),
-                    });
-                }
-            };
-            if let Err(e) = self.dev.map(a.base + a.pages.len() as u64 * ps, page) {
-                self.shared.pages.put(page);
-                budget.release(ps);
-                return Err(AllocError::Device(e));
-            }
-            a.pages.push(page);
-        }
-        if moved {
-            a.relocations += 1;
-        }
-        a.slots.insert(slot, Slot { offset, size });
-        a.end = a.end.max(new_end);
-        Ok(offset)
-    }
-
-    /// Physical bytes held by arenas, per pool (part of `held_bytes`).
     /// Give every added peer access to the arenas' pages (see `peer.rs`); under the arenas'
     /// lock, which their mapping and unmapping take.
     pub(crate) fn refresh_arena_access(&self) -> DeviceResult<()> {
@@ -318,6 +638,7 @@ impl<D: Device> Allocator<D> {
         Ok(())
     }
 
+    /// Physical bytes held by arenas, per pool (part of `held_bytes`).
     pub(crate) fn arena_bytes(&self) -> Vec<(PoolId, u64)> {
         let ps = self.shared.page_size;
         lock(&self.arenas)
@@ -326,12 +647,67 @@ impl<D: Device> Allocator<D> {
             .collect()
     }
 
+    /// The arenas' statistics merged into `out`, those of `pool` only when given.
+    pub(crate) fn merge_arena_stats(&self, out: &mut MemoryStats, pool: Option<PoolId>) {
+        for a in lock(&self.arenas).values() {
+            if pool.is_none_or(|p| p == a.pool) {
+                out.merge(&a.stats);
+            }
+        }
+    }
+
+    /// Apply `f` to every arena's statistics (peak and total resets).
+    pub(crate) fn arena_stats_mut(&self, f: impl Fn(&mut MemoryStats)) {
+        for a in lock(&self.arenas).values_mut() {
+            f(&mut a.stats);
+        }
+    }
+
+    /// The pools arenas live in (never forgotten while they do).
+    pub(crate) fn arena_pools(&self) -> Vec<PoolId> {
+        lock(&self.arenas).values().map(|a| a.pool).collect()
+    }
+
+    /// Bytes the arenas' live slots count as allocated.
+    pub(crate) fn arena_allocated_bytes(&self) -> u64 {
+        lock(&self.arenas)
+            .values()
+            .map(|a| a.counted.bytes as u64)
+            .sum()
+    }
+
+    /// The arenas' mapped pages as snapshot segments.
+    pub(crate) fn arena_snapshots(&self) -> Vec<SegmentSnapshot> {
+        let ps = self.shared.page_size;
+        lock(&self.arenas)
+            .values()
+            .filter_map(|a| a.snapshot(ps))
+            .collect()
+    }
+
+    /// Check every arena's invariants; the bytes their live slots count as allocated.
+    pub(crate) fn check_arenas(&self) -> Result<i64, String> {
+        let ps = self.shared.page_size;
+        let arenas = lock(&self.arenas);
+        let pools = lock(&self.pools);
+        let mut allocated = 0;
+        for (id, a) in arenas.iter() {
+            a.check(ps).map_err(|e| format!("arena {id}: {e}"))?;
+            if !a.pool.is_default()
+                && !pools
+                    .get(&a.pool)
+                    .is_some_and(|e| Arc::ptr_eq(&e.budget, &a.pool_budget))
+            {
+                return Err(format!("arena {id}: its pool {} is not registered", a.pool));
+            }
+            allocated += a.counted.bytes;
+        }
+        Ok(allocated)
+    }
+
     /// The stream an arena was made for.
     pub fn arena_stream(&self, arena: ArenaId) -> AllocResult<StreamId> {
-        lock(&self.arenas)
-            .get(&arena.0)
-            .map(|a| a.stream)
-            .ok_or_else(|| unknown_arena(arena))
+        self.with_arena(arena, |a, _| Ok(a.stream))
     }
 }
 
