@@ -169,6 +169,8 @@ impl Arena {
         let plan = self.plan(slot, Self::slot_size(size)?)?;
         self.grow(env, plan.end)?;
         self.commit(slot, plan);
+        // A slot live in some branch may have grown in place.
+        self.recount(env);
         Ok(plan.slot.offset)
     }
 
