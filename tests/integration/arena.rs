@@ -335,3 +335,43 @@ fn arena_in_the_default_pool_and_unknown_arenas() {
     check_reserved(&dev, &a);
     assert_eq!(dev.physical_bytes(), 0);
 }
+
+#[test]
+fn growth_during_a_capture_never_unmaps() {
+    let (dev, a) = setup_with_pool(GrowthMode::Vmm, POOL);
+    let ar = a.arena_create(POOL, 3).unwrap();
+    let id = dev.begin_capture(3).unwrap();
+    a.begin_allocate_to_pool(POOL, slotpool::core::RouteFilter::Capture(id))
+        .unwrap();
+    let p = a.arena_alloc(ar, 0, 0, 3 * MIB).unwrap();
+    // The third page's map fails: the two mapped before it stay (unmapping is illegal now) and
+    // serve the next growth; the call fails and allocates nothing.
+    dev.inject_oom(CallKind::Map, 3);
+    let r = a.arena_alloc(ar, 0, 1, 8 * MIB);
+    assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{r:?}");
+    assert_eq!(
+        dev.capture_violations(),
+        0,
+        "nothing unmapped during the capture"
+    );
+    let rep = a.arena_report(ar).unwrap();
+    assert_eq!((rep.live, rep.slots, rep.size), (1, 1, 3 * MIB));
+    assert_eq!(rep.mapped, 8 * MIB, "2 pages before, 2 kept");
+    a.check_invariants().unwrap();
+    assert!(matches!(
+        a.arena_destroy(ar),
+        Err(AllocError::InvalidState(_))
+    ));
+    let q = a.arena_alloc(ar, 0, 1, 8 * MIB).unwrap();
+    assert_eq!(q, p + 3 * MIB);
+    assert_eq!(a.arena_report(ar).unwrap().mapped, 12 * MIB);
+    dev.end_capture(3).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    check_reserved(&dev, &a);
+    a.arena_free(ar, 0, 0).unwrap();
+    a.arena_free(ar, 0, 1).unwrap();
+    a.arena_destroy(ar).unwrap();
+    a.empty_cache();
+    check_reserved(&dev, &a);
+    assert_eq!(dev.physical_bytes(), 0);
+}
