@@ -1273,6 +1273,7 @@ impl<D: Device> Allocator<D> {
                 }
             }
         }
+        out.push_str(&self.arena_dump());
         let _ = writeln!(
             out,
             "held {} pages {}",

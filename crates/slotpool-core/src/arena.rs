@@ -707,6 +707,38 @@ impl<D: Device> Allocator<D> {
         Ok(allocated)
     }
 
+    /// Every arena's pages, slots and live allocations, in id order, for
+    /// [`Allocator::state_dump`] (debug-mode overlap reports are left out: recording one is what
+    /// a refused overlapping call does).
+    pub(crate) fn arena_dump(&self) -> String {
+        use std::fmt::Write;
+        let arenas = lock(&self.arenas);
+        let mut ids: Vec<_> = arenas.keys().copied().collect();
+        ids.sort_unstable();
+        let mut out = String::new();
+        for id in ids {
+            let a = &arenas[&id];
+            let _ = writeln!(
+                out,
+                "arena {id} pool {} stream {} at {:#x}: end {} pages {} relocations {} {:?}",
+                a.pool,
+                a.stream,
+                a.base,
+                a.end,
+                a.pages.len(),
+                a.relocations,
+                a.stats
+            );
+            for (s, sl) in &a.slots {
+                let _ = writeln!(out, " slot {s} {:#x}+{}", a.base + sl.offset, sl.size);
+            }
+            for ((b, s), req) in &a.live {
+                let _ = writeln!(out, " live branch {b} slot {s} req={req}");
+            }
+        }
+        out
+    }
+
     /// The stream an arena was made for.
     pub fn arena_stream(&self, arena: ArenaId) -> AllocResult<StreamId> {
         self.with_arena(arena, |a, _| Ok(a.stream))
