@@ -245,6 +245,28 @@ fn an_arena_holds_a_use_of_its_pool() {
     .unwrap();
     let p = a.alloc_in(POOL, 8 * MIB, 0).unwrap();
     a.free(p).unwrap();
+    // Even a use released by mistake (the arena's own) does not let the pool be forgotten
+    // under a live arena, nor its id re-created with another budget.
+    a.empty_cache();
+    let ar = a.arena_create(POOL, 0).unwrap();
+    a.arena_alloc(ar, 0, 0, 4 * MIB).unwrap();
+    assert_eq!(a.release_pool(POOL).unwrap(), 1);
+    assert_eq!(a.release_pool(POOL).unwrap(), 0);
+    a.empty_cache();
+    assert_eq!(
+        a.pool_use_count(POOL).unwrap(),
+        0,
+        "kept while its arena lives"
+    );
+    assert_eq!(
+        a.create_or_incref_pool(POOL, PoolOptions::default())
+            .unwrap(),
+        1
+    );
+    a.arena_free(ar, 0, 0).unwrap();
+    a.arena_destroy(ar).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.pool_stats(POOL).unwrap().reserved_bytes.all().current, 0);
     // An arena in a pool it creates gives it back on destroy: the pool is then freeable.
     let fresh = PoolId(0, 42);
     let ar = a.arena_create(fresh, 0).unwrap();
