@@ -14,7 +14,7 @@
 //! the caller's promise; in debug mode the arena refuses (and reports) an allocation that overlaps
 //! a live one of another branch.
 //!
-//! [`Arena`] is a state machine fed one [`Env`] per call, as a shard is. Every call validates
+//! `Arena` is a state machine fed one [`Env`] per call, as a shard is. Every call validates
 //! before it changes anything: a refused call changes nothing, and one that fails for lack of
 //! memory gives back what it took (outside a capture; during one, pages it mapped stay mapped,
 //! since unmapping is illegal then, and serve the arena's next growth). The arena holds a use of
