@@ -82,12 +82,79 @@ struct Plan {
     moved: bool,
 }
 
-/// A live allocation's numbers as the statistics count them.
+/// Live slots as the statistics count them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Held {
     slots: i64,
     bytes: i64,
     requested: i64,
+}
+
+impl Held {
+    fn plus(self, o: Held, sign: i64) -> Held {
+        Held {
+            slots: self.slots + sign * o.slots,
+            bytes: self.bytes + sign * o.bytes,
+            requested: self.requested + sign * o.requested,
+        }
+    }
+}
+
+/// Live allocations by slot, then branch: their requested sizes.
+#[derive(Debug, Default)]
+struct Live {
+    by_slot: BTreeMap<u32, BTreeMap<u32, u64>>,
+    len: usize,
+}
+
+impl Live {
+    fn contains(&self, branch: u32, slot: u32) -> bool {
+        self.by_slot
+            .get(&slot)
+            .is_some_and(|b| b.contains_key(&branch))
+    }
+
+    fn insert(&mut self, branch: u32, slot: u32, requested: u64) {
+        if self
+            .by_slot
+            .entry(slot)
+            .or_default()
+            .insert(branch, requested)
+            .is_none()
+        {
+            self.len += 1;
+        }
+    }
+
+    fn remove(&mut self, branch: u32, slot: u32) -> Option<u64> {
+        let branches = self.by_slot.get_mut(&slot)?;
+        let req = branches.remove(&branch)?;
+        if branches.is_empty() {
+            self.by_slot.remove(&slot);
+        }
+        self.len -= 1;
+        Some(req)
+    }
+
+    /// The branches holding `slot` live, with their requested sizes.
+    fn branches(&self, slot: u32) -> impl Iterator<Item = (u32, u64)> + '_ {
+        self.by_slot
+            .get(&slot)
+            .into_iter()
+            .flat_map(|b| b.iter().map(|(&b, &r)| (b, r)))
+    }
+
+    /// The largest size any branch holding `slot` asked for (`None`: not live).
+    fn largest(&self, slot: u32) -> Option<u64> {
+        self.branches(slot).map(|(_, r)| r).max()
+    }
+
+    /// Every live (branch, slot) with its requested size.
+    fn iter(&self) -> impl Iterator<Item = ((u32, u32), u64)> + '_ {
+        self.by_slot
+            .iter()
+            .flat_map(|(&s, b)| b.iter().map(move |(&b, &r)| ((b, s), r)))
+    }
 }
 
 /// One arena's state.
@@ -101,15 +168,16 @@ pub(crate) struct Arena {
     capacity: u64,
     end: u64,
     slots: BTreeMap<u32, Slot>,
+    /// Slot ids by offset (slots are disjoint ranges).
+    by_offset: BTreeMap<u64, u32>,
     /// Pages mapped at `base`, `base + page`, ... in order.
     pages: Vec<PageHandle>,
-    /// Live allocations: (branch, slot) -> requested size.
-    live: BTreeMap<(u32, u32), u64>,
+    live: Live,
     debug: bool,
     relocations: u64,
     overlaps: Vec<Overlap>,
     stats: MemoryStats,
-    /// What `stats` counts of the live slots now (see [`Arena::held`]).
+    /// What `stats` counts of the live slots now (the sum of [`Arena::slot_held`]).
     counted: Held,
 }
 
@@ -130,9 +198,9 @@ impl Arena {
             Some(_) => (self.end, true),
             None => (self.end, false),
         };
-        if moved && self.live.keys().any(|&(_, s)| s == slot) {
+        if moved && self.live.largest(slot).is_some() {
             return Err(AllocError::InvalidState(format!(
-                "slot {slot} must grow but is live in another branch and cannot move"
+                "slot {slot} must grow but is live and cannot move"
             )));
         }
         let keep = self.slots.get(&slot).map_or(0, |s| s.size);
@@ -152,25 +220,41 @@ impl Arena {
         if plan.moved {
             self.relocations += 1;
         }
-        self.slots.insert(slot, plan.slot);
+        if let Some(old) = self.slots.insert(slot, plan.slot) {
+            self.by_offset.remove(&old.offset);
+        }
+        self.by_offset.insert(plan.slot.offset, slot);
         self.end = plan.end;
     }
 
-    /// The live allocation of another branch that `[offset, offset + len)` overlaps, if any.
+    /// The live allocation of another branch that `[offset, offset + len)` overlaps, if any:
+    /// (branch, slot, first address shared).
     fn clash(&self, branch: u32, offset: u64, len: u64) -> Option<(u32, u32, u64)> {
-        self.live.iter().find_map(|(&(b, s), &req)| {
-            let o = self.slots[&s].offset;
-            (b != branch && o < offset + len && offset < o + req).then_some((b, s, o.max(offset)))
-        })
+        // Slots are disjoint, so their ends grow with their offsets: walk down from the last slot
+        // that starts before the range ends until one ends before it starts.
+        for (&o, &s) in self.by_offset.range(..offset + len).rev() {
+            if o + self.slots[&s].size <= offset {
+                break;
+            }
+            if let Some((b, _)) = self
+                .live
+                .branches(s)
+                .find(|&(b, req)| b != branch && offset < o + req)
+            {
+                return Some((b, s, o.max(offset)));
+            }
+        }
+        None
     }
 
     /// Reserve (place or grow) slot `slot` for `size` bytes; its offset.
     pub(crate) fn reserve_slot(&mut self, env: &Env, slot: u32, size: u64) -> AllocResult<u64> {
         let plan = self.plan(slot, Self::slot_size(size)?)?;
         self.grow(env, plan.end)?;
+        // A slot live in some branch may grow in place.
+        let was = self.slot_held(slot);
         self.commit(slot, plan);
-        // A slot live in some branch may have grown in place.
-        self.recount(env);
+        self.account(env, was, slot);
         Ok(plan.slot.offset)
     }
 
@@ -183,7 +267,7 @@ impl Arena {
         size: u64,
     ) -> AllocResult<DevicePtr> {
         let rounded = Self::slot_size(size)?;
-        if self.live.contains_key(&(branch, slot)) {
+        if self.live.contains(branch, slot) {
             return Err(AllocError::InvalidState(format!(
                 "slot {slot} of branch {branch} is already live"
             )));
@@ -208,56 +292,57 @@ impl Arena {
             return Err(AllocError::InvalidState(msg));
         }
         self.grow(env, plan.end)?;
+        let was = self.slot_held(slot);
         self.commit(slot, plan);
-        self.live.insert((branch, slot), size);
-        self.recount(env);
+        self.live.insert(branch, slot, size);
+        self.account(env, was, slot);
         Ok(self.base + plan.slot.offset)
     }
 
     /// Free slot `slot` of `branch`; nothing else.
     pub(crate) fn free(&mut self, env: &Env, branch: u32, slot: u32) -> AllocResult<()> {
-        if self.live.remove(&(branch, slot)).is_none() {
+        let was = self.slot_held(slot);
+        if self.live.remove(branch, slot).is_none() {
             return Err(AllocError::InvalidState(format!(
                 "slot {slot} of branch {branch} is not live"
             )));
         }
-        self.recount(env);
+        self.account(env, was, slot);
         Ok(())
     }
 
-    /// The live slots as the statistics count them: a slot live in any branch is one allocation
-    /// of the slot's size, requesting the largest size any of its branches asked for.
-    fn held(&self) -> Held {
-        let mut largest: BTreeMap<u32, u64> = BTreeMap::new();
-        for (&(_, s), &req) in &self.live {
-            let e = largest.entry(s).or_default();
-            *e = (*e).max(req);
+    /// What the statistics count of `slot`: while it is live in any branch, one allocation of
+    /// the slot's size, requesting the largest size any of its branches asked for.
+    fn slot_held(&self, slot: u32) -> Held {
+        match (self.live.largest(slot), self.slots.get(&slot)) {
+            (Some(req), Some(s)) => Held {
+                slots: 1,
+                bytes: s.size as i64,
+                requested: req as i64,
+            },
+            _ => Held::default(),
         }
-        largest.iter().fold(Held::default(), |h, (s, &req)| Held {
-            slots: h.slots + 1,
-            bytes: h.bytes + self.slots[s].size as i64,
-            requested: h.requested + req as i64,
-        })
     }
 
-    /// Bring the allocation statistics (and the device-wide allocated counter) to [`Arena::held`].
-    fn recount(&mut self, env: &Env) {
-        let now = self.held();
-        let was = std::mem::replace(&mut self.counted, now);
+    /// Count the change of `slot` from `was` (its [`Arena::slot_held`] before the call) in the
+    /// allocation statistics and the device-wide allocated counter.
+    fn account(&mut self, env: &Env, was: Held, slot: u32) {
+        let d = self.slot_held(slot).plus(was, -1);
+        self.counted = self.counted.plus(d, 1);
         let st = &mut self.stats;
         for (s, d) in [
-            (&mut st.allocation, now.slots - was.slots),
-            (&mut st.active, now.slots - was.slots),
-            (&mut st.allocated_bytes, now.bytes - was.bytes),
-            (&mut st.active_bytes, now.bytes - was.bytes),
-            (&mut st.requested_bytes, now.requested - was.requested),
+            (&mut st.allocation, d.slots),
+            (&mut st.active, d.slots),
+            (&mut st.allocated_bytes, d.bytes),
+            (&mut st.active_bytes, d.bytes),
+            (&mut st.requested_bytes, d.requested),
         ] {
             if d != 0 {
                 s.update(false, d);
             }
         }
-        if now.bytes != was.bytes {
-            env.allocated.add(now.bytes - was.bytes);
+        if d.bytes != 0 {
+            env.allocated.add(d.bytes);
         }
     }
 
@@ -355,7 +440,7 @@ impl Arena {
             mapped: self.pages.len() as u64 * ps,
             slots: self.slots.len(),
             relocations: self.relocations,
-            live: self.live.len(),
+            live: self.live.len,
             overlaps: self.overlaps.clone(),
         }
     }
@@ -367,13 +452,6 @@ impl Arena {
         if size == 0 {
             return None;
         }
-        let mut requested: BTreeMap<u32, u64> = BTreeMap::new();
-        for (&(_, s), &req) in &self.live {
-            let e = requested.entry(s).or_default();
-            *e = (*e).max(req);
-        }
-        let mut slots: Vec<(u32, Slot)> = self.slots.iter().map(|(&k, &s)| (k, s)).collect();
-        slots.sort_unstable_by_key(|(_, s)| s.offset);
         let mut blocks = Vec::new();
         let mut at = 0;
         let free = |addr: u64, size: u64| BlockSnapshot {
@@ -382,7 +460,7 @@ impl Arena {
             requested: 0,
             state: BlockState::Free,
         };
-        for (k, s) in slots {
+        for (&k, &s) in self.by_offset.values().map(|k| (k, &self.slots[k])) {
             let hi = (s.offset + s.size).min(size);
             if s.offset >= hi {
                 continue;
@@ -390,8 +468,8 @@ impl Arena {
             if s.offset > at {
                 blocks.push(free(self.base + at, s.offset - at));
             }
-            blocks.push(match requested.get(&k) {
-                Some(&req) => BlockSnapshot {
+            blocks.push(match self.live.largest(k) {
+                Some(req) => BlockSnapshot {
                     addr: self.base + s.offset,
                     size: hi - s.offset,
                     requested: req,
@@ -429,7 +507,15 @@ impl Arena {
         {
             return Err("slots overlap or pass the end".into());
         }
-        for (&(b, s), &req) in &self.live {
+        if self.by_offset.len() != self.slots.len()
+            || self
+                .by_offset
+                .iter()
+                .any(|(o, s)| self.slots.get(s).is_none_or(|sl| sl.offset != *o))
+        {
+            return Err("the offset index differs from the slots".into());
+        }
+        for ((b, s), req) in self.live.iter() {
             match self.slots.get(&s) {
                 Some(sl)
                     if sl.size >= req && sl.offset + sl.size <= self.pages.len() as u64 * ps => {}
@@ -446,8 +532,13 @@ impl Arena {
         {
             return Err("reserved bytes or segments differ from the pages".into());
         }
-        let h = self.held();
-        if h != self.counted
+        let h = self
+            .live
+            .by_slot
+            .keys()
+            .fold(Held::default(), |h, &s| h.plus(self.slot_held(s), 1));
+        if self.live.iter().count() != self.live.len
+            || h != self.counted
             || st.allocated_bytes.all().current != h.bytes
             || st.allocation.all().current != h.slots
             || st.requested_bytes.all().current != h.requested

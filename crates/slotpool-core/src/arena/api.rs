@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::{Arena, ArenaId, ArenaReport, Held};
+use super::{Arena, ArenaId, ArenaReport, Held, Live};
 use crate::allocator::{Allocator, SegmentSnapshot};
 use crate::device::{Device, DevicePtr, DeviceResult, StreamId};
 use crate::env::{Budget, Env};
@@ -41,7 +41,8 @@ impl<D: Device> Allocator<D> {
                 end: 0,
                 slots: BTreeMap::new(),
                 pages: Vec::new(),
-                live: BTreeMap::new(),
+                by_offset: BTreeMap::new(),
+                live: Live::default(),
                 debug: false,
                 relocations: 0,
                 overlaps: Vec::new(),
@@ -133,11 +134,10 @@ impl<D: Device> Allocator<D> {
         let a = arenas
             .get_mut(&arena.0)
             .ok_or_else(|| unknown_arena(arena))?;
-        if !a.live.is_empty() {
+        if a.live.len > 0 {
             return Err(AllocError::InvalidState(format!(
                 "arena {} has {} live allocations",
-                arena.0,
-                a.live.len()
+                arena.0, a.live.len
             )));
         }
         if self.capture_underway() {
@@ -260,7 +260,7 @@ impl<D: Device> Allocator<D> {
             for (s, sl) in &a.slots {
                 let _ = writeln!(out, " slot {s} {:#x}+{}", a.base + sl.offset, sl.size);
             }
-            for ((b, s), req) in &a.live {
+            for ((b, s), req) in a.live.iter() {
                 let _ = writeln!(out, " live branch {b} slot {s} req={req}");
             }
         }
