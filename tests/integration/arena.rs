@@ -317,6 +317,25 @@ fn arena_pages_are_reserved_bytes_and_snapshot_segments() {
     a.arena_free(ar, 0, 0).unwrap();
     let seg = a.snapshot().into_iter().find(|s| s.pool == POOL).unwrap();
     assert_eq!(seg.blocks[0].state, BlockState::Free);
+    // A smaller request in the slot is a smaller allocation; the rest of the slot shows free.
+    a.arena_alloc(ar, 1, 0, MIB).unwrap();
+    let seg = a.snapshot().into_iter().find(|s| s.pool == POOL).unwrap();
+    let head: Vec<_> = seg.blocks[..2]
+        .iter()
+        .map(|b| (b.addr, b.size, b.requested, b.state))
+        .collect();
+    assert_eq!(
+        head,
+        vec![
+            (p, MIB, MIB, BlockState::Allocated),
+            (p + MIB, 2 * MIB, 0, BlockState::Free)
+        ]
+    );
+    assert_eq!(
+        a.pool_stats(POOL).unwrap().allocated_bytes.all().current as u64,
+        3 * MIB
+    );
+    a.arena_free(ar, 1, 0).unwrap();
     a.arena_free(ar, 0, 1).unwrap();
     a.arena_destroy(ar).unwrap();
     a.free(x).unwrap();

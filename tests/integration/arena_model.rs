@@ -193,13 +193,16 @@ impl Model {
         }
     }
 
-    /// Live slots as the statistics count them: (allocations, bytes).
+    /// Live slots as the statistics count them: (allocations, bytes): one per slot live in any
+    /// branch, of the largest size its branches asked for, rounded.
     fn held(&self) -> (i64, i64) {
-        let mut slots: Vec<u32> = self.live.keys().map(|&(_, s)| s).collect();
-        slots.sort_unstable();
-        slots.dedup();
-        let bytes = slots.iter().map(|s| self.slots[s].size as i64).sum();
-        (slots.len() as i64, bytes)
+        let mut largest: BTreeMap<u32, u64> = BTreeMap::new();
+        for (&(_, s), l) in &self.live {
+            let e = largest.entry(s).or_default();
+            *e = (*e).max(l.size);
+        }
+        let bytes = largest.values().map(|&r| Self::round(r) as i64).sum();
+        (largest.len() as i64, bytes)
     }
 }
 

@@ -22,7 +22,7 @@
 //!
 //! Its pages are counted in its own [`MemoryStats`] as one large vmm segment of its pool, merged
 //! into the device's and the pool's statistics: a slot live in any branch is one allocation of
-//! the slot's size (the snapshot shows the same block).
+//! the largest size its branches asked for, rounded (the snapshot shows the same block).
 
 mod api;
 
@@ -187,7 +187,7 @@ impl Arena {
         if size == 0 || size > crate::allocator::MAX_REQUEST {
             return Err(AllocError::InvalidSize(size));
         }
-        Ok(size.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE)
+        Ok(round(size))
     }
 
     /// Where slot `slot` goes to hold `size` (rounded) bytes. Changes nothing.
@@ -312,15 +312,15 @@ impl Arena {
     }
 
     /// What the statistics count of `slot`: while it is live in any branch, one allocation of
-    /// the slot's size, requesting the largest size any of its branches asked for.
+    /// the largest size any of its branches asked for (rounded as slots are).
     fn slot_held(&self, slot: u32) -> Held {
-        match (self.live.largest(slot), self.slots.get(&slot)) {
-            (Some(req), Some(s)) => Held {
+        match self.live.largest(slot) {
+            Some(req) => Held {
                 slots: 1,
-                bytes: s.size as i64,
+                bytes: round(req) as i64,
                 requested: req as i64,
             },
-            _ => Held::default(),
+            None => Held::default(),
         }
     }
 
@@ -468,15 +468,20 @@ impl Arena {
             if s.offset > at {
                 blocks.push(free(self.base + at, s.offset - at));
             }
-            blocks.push(match self.live.largest(k) {
-                Some(req) => BlockSnapshot {
-                    addr: self.base + s.offset,
-                    size: hi - s.offset,
+            at = s.offset;
+            if let Some(req) = self.live.largest(k) {
+                let used = round(req).min(hi - at);
+                blocks.push(BlockSnapshot {
+                    addr: self.base + at,
+                    size: used,
                     requested: req,
                     state: BlockState::Allocated,
-                },
-                None => free(self.base + s.offset, hi - s.offset),
-            });
+                });
+                at += used;
+            }
+            if at < hi {
+                blocks.push(free(self.base + at, hi - at));
+            }
             at = hi;
         }
         if at < size {
@@ -547,6 +552,11 @@ impl Arena {
         }
         Ok(())
     }
+}
+
+/// `size` rounded up to the slot granularity.
+fn round(size: u64) -> u64 {
+    size.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
 }
 
 /// A page from the device's pool (`false`), else a new one within the device budget (`true`),
