@@ -1124,9 +1124,11 @@ impl<D: Device> Allocator<D> {
         }
     }
 
-    /// Forget freeable pools that hold nothing any more and that no live checkpoint needs.
+    /// Forget freeable pools that hold nothing any more (no shard, no live arena) and that no
+    /// live checkpoint needs.
     fn forget_freeable_pools(&self, reclaim: &MutexGuard<'_, ()>) {
         self.drop_empty_shards(reclaim, None);
+        let arena_pools = self.arena_pools();
         let mut pools = lock(&self.pools);
         let shards = lock(&self.shards);
         pools.retain(|id, e| {
@@ -1134,6 +1136,7 @@ impl<D: Device> Allocator<D> {
                 || e.use_count > 0
                 || e.checkpoints.iter().any(|c| c.strong_count() > 0)
                 || shards.keys().any(|(p, _)| p == id)
+                || arena_pools.contains(id)
         });
     }
 
@@ -1183,6 +1186,7 @@ impl<D: Device> Allocator<D> {
         for cell in self.all_shards().values() {
             out.merge(&lock(&cell.shard).stats);
         }
+        self.merge_arena_stats(&mut out, None);
         out.num_alloc_retries += self.num_alloc_retries.load(Ordering::Relaxed);
         out.num_ooms += self.num_ooms.load(Ordering::Relaxed);
         // Device-wide peaks from one counter (the merged per-shard peaks add up per shard).
@@ -1195,11 +1199,11 @@ impl<D: Device> Allocator<D> {
 
     /// Bytes handed out now (rounded), summed over shards: `memory_allocated()`.
     pub fn allocated_bytes(&self) -> u64 {
-        let shards = lock(&self.shards);
-        shards
+        let shards: u64 = lock(&self.shards)
             .values()
             .map(|c| lock(&c.shard).stats.allocated_bytes.all().current as u64)
-            .sum()
+            .sum();
+        shards + self.arena_allocated_bytes()
     }
 
     /// Statistics of one pool.
@@ -1211,6 +1215,7 @@ impl<D: Device> Allocator<D> {
         for cell in self.pool_shards(pool) {
             out.merge(&lock(&cell.shard).stats);
         }
+        self.merge_arena_stats(&mut out, Some(pool));
         Ok(out)
     }
 
@@ -1222,6 +1227,7 @@ impl<D: Device> Allocator<D> {
             // The device-wide counter restarts from the exact allocated bytes.
             s.settle_credit(&self.env(&cell.pool_budget));
         }
+        self.arena_stats_mut(MemoryStats::reset_peak);
         self.shared.allocated.reset_peak();
         self.shared.budget.reset_peak();
     }
@@ -1231,6 +1237,7 @@ impl<D: Device> Allocator<D> {
         for cell in self.all_shards().values() {
             lock(&cell.shard).stats.reset_accumulated();
         }
+        self.arena_stats_mut(MemoryStats::reset_accumulated);
         self.num_alloc_retries.store(0, Ordering::Relaxed);
         self.num_ooms.store(0, Ordering::Relaxed);
     }
@@ -1259,7 +1266,7 @@ impl<D: Device> Allocator<D> {
     /// 3. physical bytes held equal classic segments + mapped pages + cached pages;
     /// 4. each pool's budget equals what its shards hold;
     /// 5. the device-wide allocated counter equals the shards' allocated bytes plus their credits
-    ///    and leases.
+    ///    and leases, plus the arenas' live slots (each arena's own invariants are checked too).
     pub fn check_invariants(&self) -> Result<(), String> {
         let _reclaim = lock(&self.reclaim);
         let ps = self.shared.page_size;
@@ -1272,6 +1279,7 @@ impl<D: Device> Allocator<D> {
             held += bytes;
             *per_pool.entry(pool).or_default() += bytes;
         }
+        allocated += self.check_arenas()?;
         for (&(pool, stream), cell) in &shards {
             let s = lock(&cell.shard);
             if s.retired {
@@ -1369,6 +1377,7 @@ impl<D: Device> Allocator<D> {
                 }
             }
         }
+        out.push_str(&self.arena_dump());
         let _ = writeln!(
             out,
             "held {} pages {}",
@@ -1474,6 +1483,7 @@ impl<D: Device> Allocator<D> {
                 }
             }
         }
+        out.extend(self.arena_snapshots());
         out.sort_unstable_by_key(|seg| seg.addr);
         out
     }
