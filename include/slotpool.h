@@ -170,8 +170,8 @@ const char* sp_last_error_message(void);
  *  environment. Must come before any other call that initialises.
  *  backend: "cuda", "sim" or "auto" (CUDA if device 0 can be opened, else the simulated
  *           device); NULL = $SLOTPOOL_BACKEND, else "auto".
- *  conf:    "key:value,..." applied over $SLOTPOOL_CONF (conf wins), both over the defaults
- *           "vmm_slack_percent:8,vmm_page_mb:16"; NULL = "". Keys: growth (vmm|classic),
+ *  conf:    "key:value,..." applied over $SLOTPOOL_CONF (conf wins), both over the core's
+ *           defaults (slotpool-core's Config::default()); NULL = "". Keys: growth (vmm|classic),
  *           expandable_segments, max_split_size_mb, max_non_split_rounding_mb,
  *           large_segment_size_mb, roundup_power2_divisions, memory_limit_mb,
  *           per_process_memory_fraction, vmm_reservation_mb, vmm_slack_percent (idle mapped

@@ -61,12 +61,8 @@ def load(verbose: bool = False):
     return _ext
 
 
-# slotpool's defaults, beneath $SLOTPOOL_CONF and conf= (`DEFAULT_CONF` of the C ABI's runtime,
-# which has the reasons): a training step frees and re-allocates most of its memory in a shifting
-# pattern, and a little idle memory per (pool, stream) absorbs the shifts that would otherwise remap
-# pages (captures never keep it); 16 MiB pages make growth 8x cheaper than 2 MiB ones. Kept here
-# for reading only: the library applies them.
-DEFAULT_CONF = "vmm_slack_percent:8,vmm_page_mb:16"
+# slotpool's defaults are the core's (`Config::default()` in slotpool-core), beneath $SLOTPOOL_CONF
+# and conf=: the library applies them, and nothing here repeats them.
 
 
 def install(backend: str | None = "cuda", conf: str | None = None, verbose: bool = False) -> None:
@@ -76,7 +72,7 @@ def install(backend: str | None = "cuda", conf: str | None = None, verbose: bool
     backend: slotpool's backend ("cuda"; None: $SLOTPOOL_BACKEND). conf: slotpool's configuration
     string ("key:value,...", over $SLOTPOOL_CONF, over the keys of PyTorch's PYTORCH_ALLOC_CONF /
     PYTORCH_CUDA_ALLOC_CONF that slotpool shares (max_split_size_mb, roundup_power2_divisions,
-    garbage_collection_threshold, ...), over DEFAULT_CONF).
+    garbage_collection_threshold, ...), over the core's defaults).
     """
     ext = load(verbose=verbose)
     if ext.is_installed():

@@ -270,24 +270,13 @@ pub fn split_conf(s: &str) -> (Vec<(String, String)>, String) {
     (sim, rest.join(","))
 }
 
-/// What programs get beneath `SLOTPOOL_CONF` and `sp_init`'s `conf`: some idle mapped memory
-/// (8% of live bytes) instead of moving pages whenever the allocation pattern shifts, and 16 MiB
-/// vmm pages (growth costs about the same per driver call whatever the page size). Measured on the
-/// H200 (docs/benchmarks.md): PyTorch's gpt2_train under LD_PRELOAD took 95 ms a step with
-/// neither, 66 ms with the slack (PyTorch's own allocator: 65 ms), and peak reserved stayed below
-/// PyTorch's. `vmm_slack_percent:0,vmm_page_mb:2` makes physical memory follow live bytes exactly.
-pub const DEFAULT_CONF: &str = "vmm_slack_percent:8,vmm_page_mb:16";
-
-/// [`DEFAULT_CONF`], with `SLOTPOOL_CONF` applied over it and `conf` over both (so `conf` wins),
-/// and the sim options of all three. Nothing is applied unless everything parses.
+/// The core's defaults ([`Config::default`], the one set every program and the replay start
+/// from), with `SLOTPOOL_CONF` applied over them and `conf` over both (so `conf` wins), and the
+/// sim options of both. Nothing is applied unless everything parses.
 pub fn parse_conf(env_conf: &str, conf: &str) -> Result<(Config, SimOptions)> {
     let mut sim = SimOptions::default();
     let mut config = Config::default();
-    for (source, text) in [
-        ("defaults", DEFAULT_CONF),
-        (ENV_CONF, env_conf),
-        ("conf", conf),
-    ] {
+    for (source, text) in [(ENV_CONF, env_conf), ("conf", conf)] {
         let (sim_pairs, rest) = split_conf(text);
         for (k, v) in sim_pairs {
             sim.set(&k, &v)
@@ -749,16 +738,19 @@ mod tests {
     #[test]
     fn defaults_lie_beneath_the_environment_and_conf() {
         let (c, _) = parse_conf("", "").unwrap();
-        assert_eq!(c.vmm_slack_percent, 8.0);
-        assert_eq!(c.vmm_page_size, Some(16 * MIB));
-        let (c, _) = parse_conf("vmm_slack_percent:0", "").unwrap();
         assert_eq!(
-            c.vmm_slack_percent, 0.0,
+            c,
+            Config::default(),
+            "programs start from the core's defaults"
+        );
+        let (c, _) = parse_conf("vmm_slack_percent:8", "").unwrap();
+        assert_eq!(
+            c.vmm_slack_percent, 8.0,
             "the environment wins over the defaults"
         );
         assert_eq!(
             c.vmm_page_size,
-            Some(16 * MIB),
+            Config::default().vmm_page_size,
             "and keeps the ones it does not name"
         );
         let (c, _) = parse_conf("vmm_page_mb:4", "vmm_page_mb:2").unwrap();

@@ -8,6 +8,7 @@
 //! - [`model`]: [`ModelTarget`], a toy best-fit allocator used to test the driver (and, until the
 //!   allocator core is wired in, by the binary).
 
+pub mod driver_time;
 pub mod model;
 pub mod plot;
 pub mod replay;
@@ -15,6 +16,7 @@ pub mod target;
 pub mod trace;
 pub mod variants;
 
+pub use driver_time::DriverTime;
 pub use model::{ModelMode, ModelTarget};
 pub use replay::{ReplayError, ReplayOptions, ReplayReport, ReplayTarget, replay};
 pub use target::SlotpoolTarget;

@@ -1378,6 +1378,9 @@ pub(crate) fn shard_error(e: ShardError) -> AllocError {
         ShardError::UnknownPointer => AllocError::InvalidState("unknown pointer".into()),
         ShardError::NotVmm => AllocError::InvalidState("not a vmm segment".into()),
         ShardError::PageNotMapped => AllocError::InvalidState("page not mapped".into()),
+        ShardError::StaleDuringCapture => {
+            AllocError::InvalidState("a page slot must be unmapped during a capture".into())
+        }
     }
 }
 

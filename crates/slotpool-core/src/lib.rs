@@ -19,6 +19,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod alias;
 pub mod allocator;
 pub mod arena;
 pub mod block;
