@@ -1,5 +1,6 @@
 //! Cross-crate tests of the allocator on the simulated device, in one test binary.
 
+mod alias;
 mod common;
 mod gc;
 mod model;

@@ -94,6 +94,8 @@ thread_local! {
 pub struct Allocator<D: Device> {
     pub(crate) uid: u64,
     pub(crate) dev: Arc<D>,
+    /// The same device, its calls counted: what the shards call ([`Allocator::backend_calls`]).
+    pub(crate) counted: crate::counted::Counted,
     pub(crate) config: Config,
     /// What the shards of this device share (budget, page and event pools, the trace).
     pub(crate) shared: Shared,
@@ -166,6 +168,7 @@ impl<D: Device> Allocator<D> {
                 vmm_slack_base: config.vmm_slack_base,
                 gc_threshold: config.gc_threshold,
             },
+            counted: crate::counted::Counted::new(dev.clone()),
             dev,
             config,
             arenas: Mutex::new(FxHashMap::default()),
@@ -230,13 +233,18 @@ impl<D: Device> Allocator<D> {
         self.shared.budget.held()
     }
 
+    /// The backend calls this allocator made so far, by kind (arenas' own calls aside).
+    pub fn backend_calls(&self) -> crate::BackendCalls {
+        self.counted.calls()
+    }
+
     pub(crate) fn capture_underway(&self) -> bool {
         self.captures_active.load(Ordering::Acquire) > 0
     }
 
     pub(crate) fn env<'a>(&'a self, pool_budget: &'a Budget) -> Env<'a> {
         Env {
-            dev: &*self.dev,
+            dev: &self.counted,
             shared: &self.shared,
             pool_budget,
             capture_underway: self.capture_underway(),
@@ -444,7 +452,7 @@ impl<D: Device> Allocator<D> {
         }
         // 3. Every unused cached byte on the device (never during a capture).
         if !self.capture_underway() {
-            let synced = self.dev.synchronize().is_ok();
+            let synced = self.counted.synchronize().is_ok();
             self.release_all_cached(synced, true);
             self.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
             match attempt(&cell) {
@@ -982,7 +990,7 @@ impl<D: Device> Allocator<D> {
     /// graphs may touch it) and release the rest.
     pub fn empty_cache(&self) {
         let _reclaim = lock(&self.reclaim);
-        let synced = !self.capture_underway() && self.dev.synchronize().is_ok();
+        let synced = !self.capture_underway() && self.counted.synchronize().is_ok();
         self.release_all_cached(synced, false);
         self.release_page_pool();
         self.forget_freeable_pools();
@@ -994,7 +1002,7 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::UnknownPool(pool));
         }
         let _reclaim = lock(&self.reclaim);
-        let synced = !self.capture_underway() && self.dev.synchronize().is_ok();
+        let synced = !self.capture_underway() && self.counted.synchronize().is_ok();
         for cell in self.pool_shards(pool) {
             self.release_on(pool, &cell, synced, false);
         }
@@ -1021,7 +1029,7 @@ impl<D: Device> Allocator<D> {
             return;
         }
         for page in self.shared.pages.drain() {
-            if self.dev.release_page(page).is_ok() {
+            if self.counted.release_page(page).is_ok() {
                 self.shared.budget.release(self.shared.page_size);
             } else {
                 self.shared.pages.put(page);

@@ -26,6 +26,7 @@ pub mod block;
 mod block_slab;
 pub mod checkpoint;
 pub mod config;
+mod counted;
 pub mod device;
 pub mod env;
 pub mod error;
@@ -48,6 +49,7 @@ pub use allocator::{Allocator, MAX_REQUEST, SharedPages};
 pub use arena::{ArenaId, ArenaReport, Overlap};
 pub use checkpoint::{Checkpoint, RestoreDelta, RestoreDiff};
 pub use config::{Config, ConfigError, GrowthMode};
+pub use counted::BackendCalls;
 pub use device::{
     CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PageHandle, StreamId,
 };
