@@ -148,6 +148,24 @@ typedef struct sp_memory_stats {
     int64_t max_split_size;
 } sp_memory_stats;
 
+/** The driver calls a device's allocator made, by kind (sp_backend_calls_get). map counts
+ *  pages: a run of n pages mapped at once is n. synchronize counts event and device
+ *  synchronisations. 96 bytes; layout fixed. */
+typedef struct sp_backend_calls {
+    uint64_t alloc_segment;
+    uint64_t free_segment;
+    uint64_t reserve;
+    uint64_t release_reservation;
+    uint64_t create_page;
+    uint64_t release_page;
+    uint64_t map;
+    uint64_t unmap;
+    uint64_t create_event;
+    uint64_t record_event;
+    uint64_t query_event;
+    uint64_t synchronize;
+} sp_backend_calls;
+
 /* ------------------------------------------------------------------------------------------ */
 /* Library                                                                                    */
 
@@ -369,6 +387,11 @@ sp_status sp_memory_stats_get(int device, sp_memory_stats* out);
  *  bound). A device slotpool has not used reports zeros. Either out-pointer may be NULL.
  *  Errors: SP_ERR_INVALID_ARGUMENT (no such device), SP_ERR_NOT_INITIALIZED. */
 sp_status sp_memory_peaks(int device, uint64_t* allocated_peak, uint64_t* reserved_peak);
+
+/** Writes the backend (driver) calls device's allocator made since it was created, by kind; a
+ *  device slotpool has not used reports zeros. Errors: SP_ERR_INVALID_ARGUMENT (NULL out, no
+ *  such device), SP_ERR_NOT_INITIALIZED. */
+sp_status sp_backend_calls_get(int device, sp_backend_calls* out);
 
 /** Writes the statistics of pool id on device. Errors: SP_ERR_UNKNOWN_POOL. */
 sp_status sp_pool_stats_get(int device, sp_pool_id id, sp_memory_stats* out);

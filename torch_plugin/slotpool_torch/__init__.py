@@ -32,6 +32,7 @@ __all__ = [
     "release_pool",
     "pool_use_count",
     "pool_stats",
+    "backend_calls",
     "empty_pool_cache",
     "use_pool",
     "checkpoint",
@@ -156,6 +157,12 @@ def pool_use_count(pool, device=None) -> int:
 def pool_stats(pool, device=None) -> dict:
     """The statistics of one pool, with torch.cuda.memory_stats()'s keys."""
     return dict(_installed_ext().pool_stats(_device(device), _pool(pool)))
+
+
+def backend_calls(device=None) -> dict:
+    """The driver calls slotpool made on a device so far, by kind (create_page, map, unmap, ...;
+    map counts pages). Differences between two steps are that step's driver calls."""
+    return dict(_installed_ext().backend_calls(_device(device)))
 
 
 def empty_pool_cache(pool, device=None) -> None:

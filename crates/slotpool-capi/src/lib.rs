@@ -13,6 +13,7 @@
 //! `docs/c-api.md` is the user guide; `slotpool.h` documents every function.
 
 pub mod api;
+pub mod calls;
 pub mod error;
 pub mod graph;
 pub mod ipc;
@@ -22,6 +23,7 @@ pub mod snapshot;
 pub mod types;
 
 pub use api::*;
+pub use calls::*;
 pub use error::{Error, sp_status};
 pub use graph::*;
 pub use ipc::*;

@@ -1044,3 +1044,32 @@ fn peer_access_reaches_pages_mapped_before_and_after() {
     ok(sp_free(p));
     ok(sp_free(q));
 }
+
+/// `sp_backend_calls_get` counts what the device's allocator asked of its backend: a first
+/// large allocation reserves and maps pages; NULL is refused with nothing written.
+#[test]
+fn backend_calls_are_counted_by_kind() {
+    let _q = exclusive(QUIET);
+    let mut before = sp_backend_calls::default();
+    // SAFETY: a valid out-pointer.
+    ok(unsafe { sp_backend_calls_get(QUIET, &mut before) });
+    let p = alloc(QUIET, 64 * MIB, 0);
+    let mut after = sp_backend_calls::default();
+    // SAFETY: a valid out-pointer.
+    ok(unsafe { sp_backend_calls_get(QUIET, &mut after) });
+    assert!(after.map >= before.map + 16, "{after:?}");
+    assert!(after.create_page > before.create_page || after.map > before.map);
+    ok(sp_free(p));
+    // SAFETY: NULL is refused.
+    expect(
+        unsafe { sp_backend_calls_get(QUIET, null_mut()) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    let mut none = sp_backend_calls::default();
+    // SAFETY: a valid out-pointer.
+    expect(
+        unsafe { sp_backend_calls_get(99, &mut none) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    assert_eq!(none, sp_backend_calls::default(), "nothing written");
+}
