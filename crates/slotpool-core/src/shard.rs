@@ -906,11 +906,10 @@ impl Shard {
     fn needs_pages(&self, env: &Env<'_>, id: BlockId, rounded: u64) -> bool {
         let b = &self.blocks[id];
         let seg = &self.segments[b.segment];
-        let SegmentKind::Vmm(pt) = &seg.kind else {
+        if !seg.is_vmm() {
             return false;
-        };
+        }
         let (first, end) = Self::page_range(env.page_size(), seg.addr, b.addr, rounded);
-        let _ = pt;
         !self.slots_ready(b.segment, first, end)
     }
 
@@ -990,13 +989,17 @@ impl Shard {
                 return Ok(());
             }
         }
+        if self.slots_ready(seg, first, end) {
+            return Ok(());
+        }
         let mut taken = FxHashMap::default();
         self.map_slots(env, seg, first, end, allow_reclaim, &mut taken)
     }
 
     /// Whether pages [first, end) of vmm segment `seg` may take live bytes as they are mapped
     /// now: every slot mapped to a page that backs no other occupied slot, nor another slot of
-    /// the range.
+    /// the range. Allocates nothing: it is the second fast path of every allocation that lands
+    /// on aliased slots.
     pub(crate) fn slots_ready(&self, seg: SegmentId, first: usize, end: usize) -> bool {
         let SegmentKind::Vmm(pt) = &self.segments[seg].kind else {
             return true;
@@ -1010,10 +1013,16 @@ impl Shard {
         if !pt.any_shared(first, end) {
             return true;
         }
-        let mut seen = FxHashMap::default();
         (first..end).all(|p| {
+            if !pt.is_shared(p) || pt.live[p] > 0 {
+                // Alone on its page, or its page's occupant already (invariant 10).
+                return true;
+            }
             let h = pt.handle[p].expect("checked above");
-            pt.busy_alias(p, h).is_none() && *seen.entry(h).or_insert(p) == p
+            pt.slots_of(h).iter().all(|&s| {
+                let s = s as usize;
+                s == p || (!pt.occupied(s) && !(first..end).contains(&s))
+            })
         })
     }
 
