@@ -1202,9 +1202,12 @@ impl Shard {
         matches!(&self.segments[seg].kind, SegmentKind::Vmm(pt) if !pt.slots_of(page).is_empty())
     }
 
-    /// An idle physical page of reservation `seg` for slot `p`: one that backs no occupied slot,
-    /// is not taken by the operation, and preferably was never needed at the same time as `p`.
-    /// Idle slots are visited from the highest address down, as best fit favours low ones.
+    /// An idle physical page of reservation `seg` for slot `p`: one that backs no occupied slot
+    /// and is not taken by the operation. Preferred: a page none of whose slots was ever needed
+    /// at the same time as `p`, then the page whose lowest slot is highest. Best fit favours low
+    /// addresses, so a page mapped only high up is the least likely to be wanted back soon where
+    /// it is (each slot of the page taken becomes stale, and costs an unmap and a map if it is
+    /// needed while `p` is live).
     fn idle_page_for(
         &self,
         seg: SegmentId,
@@ -1217,19 +1220,25 @@ impl Shard {
         if pt.idle_count == 0 {
             return None;
         }
-        let mut fallback = None;
+        let mut best: Option<((bool, usize), PageHandle)> = None;
         let mut seen = rustc_hash::FxHashSet::default();
         for q in pt.idle_pages_rev() {
             let Some(h) = pt.handle[q] else { continue };
             if !seen.insert(h) || taken.contains_key(&h) || !pt.page_idle(h) {
                 continue;
             }
-            if !pt.conflicts_with(p, h) {
-                return Some(h);
+            let lowest = pt
+                .slots_of(h)
+                .iter()
+                .map(|&s| s as usize)
+                .min()
+                .unwrap_or(q);
+            let score = (!pt.conflicts_with(p, h), lowest);
+            if best.is_none_or(|(b, _)| score > b) {
+                best = Some((score, h));
             }
-            fallback.get_or_insert(h);
         }
-        fallback
+        best.map(|(_, h)| h)
     }
 
     /// Wait until the stream's work that last touched idle slot `p` is complete (its epoch is
