@@ -1223,6 +1223,13 @@ impl Shard {
         let mut best: Option<((bool, usize), PageHandle)> = None;
         let mut seen = rustc_hash::FxHashSet::default();
         for q in pt.idle_pages_rev() {
+            // A page met from here down has a slot at q or below: none beats a best whose lowest
+            // slot is at q or above.
+            if let Some(((true, low), _)) = best
+                && low >= q
+            {
+                break;
+            }
             let Some(h) = pt.handle[q] else { continue };
             if !seen.insert(h) || taken.contains_key(&h) || !pt.page_idle(h) {
                 continue;
