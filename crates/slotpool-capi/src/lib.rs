@@ -9,6 +9,8 @@
 //! * [`types`]: `#[repr(C)]` mirrors of the header's structs, layout pinned by const asserts.
 //! * [`snapshot`]: the PyTorch-shaped JSON snapshot.
 //! * [`ipc`]: CUDA IPC of vmm memory (pages exported as file descriptors, and mapped).
+//! * [`sim`]: the bytes of simulated device memory (`sim_bytes:1`), for tests.
+//! * `handle`: the per-kind registries behind checkpoint, delta and variant-group handles.
 //!
 //! `docs/c-api.md` is the user guide; `slotpool.h` documents every function.
 
@@ -16,9 +18,11 @@ pub mod api;
 pub mod calls;
 pub mod error;
 pub mod graph;
+mod handle;
 pub mod ipc;
 mod out;
 pub mod runtime;
+pub mod sim;
 pub mod snapshot;
 pub mod types;
 
@@ -27,6 +31,7 @@ pub use calls::*;
 pub use error::{Error, sp_status};
 pub use graph::*;
 pub use ipc::*;
+pub use sim::*;
 pub use types::{
     sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind, sp_stat, sp_stat_array,
     sp_trace_action, sp_trace_event,

@@ -140,12 +140,12 @@ fn retention_floor_counts_a_capture_pool_at_its_high_water_mark() {
 
 /// The shared-capture-pool scenario recorded on the H200 (benches/gpu/record_seed.py, 12 layers):
 /// what captured graphs keep puts a floor under reserved memory at 1.13x peak allocated; slotpool,
-/// configured as slotpool_torch installs it, stays within 3% of that floor.
+/// at the defaults every program starts from, stays within 3% of that floor.
 #[test]
 fn recorded_seed_trace_stays_near_its_retention_floor() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../benches/traces");
     let trace = slotpool_cli::read_trace(format!("{dir}/seed_shared.trace.csv.gz")).unwrap();
-    let config = slotpool_core::Config::parse("vmm_slack_percent:8,vmm_page_mb:16").unwrap();
+    let config = slotpool_core::Config::default();
     let r =
         slotpool_cli::variants::replay_variants_with(&trace, VariantMode::Shared, config).unwrap();
     let floor = r.retention_floor.unwrap();
@@ -154,4 +154,22 @@ fn recorded_seed_trace_stays_near_its_retention_floor() {
     assert!((1.12..1.14).contains(&floor_ratio), "{r:?}");
     assert!(reserved >= floor, "{r:?}");
     assert!(reserved as f64 <= 1.03 * floor as f64, "{r:?}");
+}
+
+/// `vmm_page_mb` builds the simulated device with that page size, as the plain replay does:
+/// physical memory is counted in whole pages of the configured size.
+#[test]
+fn variant_replay_uses_the_configured_page_size() {
+    use slotpool_cli::variants::replay_variants_with;
+    use slotpool_core::Config;
+    let text = synthetic();
+    let trace = parse_trace(text.as_bytes(), "synthetic.csv", ReadOptions::default()).unwrap();
+    let page = 64u64 << 20;
+    for mode in [VariantMode::Separate, VariantMode::Group] {
+        let large =
+            replay_variants_with(&trace, mode, Config::parse("vmm_page_mb:64").unwrap()).unwrap();
+        let physical = large.base_physical + large.final_growth;
+        assert_eq!(physical % page, 0, "{mode:?}: {large:?}");
+        assert_eq!((large.base_physical + large.peak_growth) % page, 0);
+    }
 }
