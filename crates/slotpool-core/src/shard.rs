@@ -1114,10 +1114,7 @@ impl Shard {
                         Some(h) => Ok(h),
                         None if within_slack => env.new_page().or_else(|e| {
                             self.idle_page_for(seg, p, taken)
-                                .map(|h| {
-                                    env.pool_budget.release(ps);
-                                    h
-                                })
+                                .inspect(|_| env.pool_budget.release(ps))
                                 .or_else(|| self.reclaim_elsewhere(env, seg, allow_reclaim))
                                 .ok_or(e)
                         }),
