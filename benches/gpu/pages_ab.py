@@ -47,12 +47,15 @@ def child(alloc, fraction, steps, workloads):
     if fraction > 0:
         torch.cuda.set_per_process_memory_fraction(fraction)
 
+    def torch_calls():
+        st = torch.cuda.memory_stats()
+        return st.get("num_device_alloc", 0) + st.get("num_device_free", 0)
+
     def calls():
         if ext is not None:
             c = ext.backend_calls()
             return sum(c[k] for k in MEMORY_KINDS)
-        st = torch.cuda.memory_stats()
-        return st.get("num_device_alloc", 0) + st.get("num_device_free", 0)
+        return torch_calls()
 
     for wl in workloads:
         torch.manual_seed(0)
@@ -61,21 +64,23 @@ def child(alloc, fraction, steps, workloads):
         out = {"alloc": alloc, "workload": wl, "fraction": fraction, "ok": False}
         try:
             step, _ = build_workload(wl)
-            times, per_step = [], []
+            times, per_step, torch_per_step = [], [], []
             for _ in range(steps):
-                c0 = calls()
+                c0, d0 = calls(), torch_calls()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 step()
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
                 per_step.append(calls() - c0)
+                torch_per_step.append(torch_calls() - d0)
             st = torch.cuda.memory_stats()
             steady = sorted(times[2:]) or sorted(times)
             out.update(ok=True, step_ms=[round(x * 1e3, 2) for x in times],
                        median_step_ms=round(steady[len(steady) // 2] * 1e3, 2),
                        calls_per_step=per_step,
                        calls_after_second=per_step[2:],
+                       num_device_alloc_free_per_step=torch_per_step,
                        peak_allocated=st["allocated_bytes.all.peak"],
                        peak_reserved=st["reserved_bytes.all.peak"])
             out["ratio"] = round(out["peak_reserved"] / max(1, out["peak_allocated"]), 4)
