@@ -1,9 +1,12 @@
 //! Cross-crate tests of the allocator on the simulated device, in one test binary.
 
 mod alias;
+mod arena;
+mod arena_model;
 mod common;
 mod gc;
 mod model;
+mod pause;
 mod peaks;
 mod quick;
 mod retained;

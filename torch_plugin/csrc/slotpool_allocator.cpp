@@ -61,6 +61,7 @@ const char* status_name(sp_status st) {
     case SP_ERR_SHUTDOWN: return "SP_ERR_SHUTDOWN";
     case SP_ERR_PANIC: return "SP_ERR_PANIC";
     case SP_ERR_CONFIG: return "SP_ERR_CONFIG";
+    case SP_ERR_POOL_PAUSED: return "SP_ERR_POOL_PAUSED";
   }
   return "SP_ERR_?";
 }

@@ -41,6 +41,8 @@ pub enum sp_status {
     SP_ERR_PANIC = 10,
     /// A configuration string was rejected (unknown key, bad value).
     SP_ERR_CONFIG = 11,
+    /// The pool is paused (`sp_pool_pause`): nothing is allocated from it until it is resumed.
+    SP_ERR_POOL_PAUSED = 12,
 }
 
 /// Every way a C ABI call can fail.
@@ -57,6 +59,7 @@ pub enum Error {
     Shutdown,
     Panic(String),
     Config(String),
+    PoolPaused(PoolId),
 }
 
 impl Error {
@@ -74,6 +77,7 @@ impl Error {
             Error::Shutdown => sp_status::SP_ERR_SHUTDOWN,
             Error::Panic(_) => sp_status::SP_ERR_PANIC,
             Error::Config(_) => sp_status::SP_ERR_CONFIG,
+            Error::PoolPaused(_) => sp_status::SP_ERR_POOL_PAUSED,
         }
     }
 
@@ -101,6 +105,9 @@ impl std::fmt::Display for Error {
             Error::Shutdown => write!(f, "slotpool was shut down (sp_shutdown)"),
             Error::Panic(m) => write!(f, "internal error (panic caught at the C boundary): {m}"),
             Error::Config(m) => write!(f, "{m}"),
+            Error::PoolPaused(id) => {
+                write!(f, "pool {id} is paused: resume it (sp_pool_resume) first")
+            }
         }
     }
 }
@@ -120,6 +127,7 @@ impl From<AllocError> for Error {
             AllocError::InvalidState(m) => Error::InvalidState(m),
             // A refused restore: the pool is not in a state the checkpoint can be applied to.
             e @ AllocError::CheckpointMismatch(_) => Error::InvalidState(e.to_string()),
+            AllocError::PoolPaused(id) => Error::PoolPaused(id),
             AllocError::Device(d) => d.into(),
         }
     }

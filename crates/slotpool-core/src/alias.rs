@@ -145,6 +145,21 @@ impl PageTable {
             .all(|&s| !self.occupied(s as usize))
     }
 
+    /// Whether slot `p` shows its page in a snapshot: each physical page once, at its occupied
+    /// slot, or at its lowest slot while idle, so that a snapshot's segments add up to the
+    /// reserved bytes.
+    pub fn shows_page(&self, p: usize) -> bool {
+        let Some(h) = self.handle.get(p).copied().flatten() else {
+            return false;
+        };
+        if !self.is_shared(p) || self.occupied(p) {
+            return true;
+        }
+        let slots = self.slots_of(h);
+        !slots.iter().any(|&s| self.occupied(s as usize))
+            && slots.iter().min().is_some_and(|&s| s as usize == p)
+    }
+
     /// Remember that slots `a` and `b` were needed at the same time.
     pub fn learn_conflict(&mut self, a: usize, b: usize) {
         if self.alias.conflicts.len() >= CONFLICTS_MAX {
@@ -169,7 +184,7 @@ impl PageTable {
         let mut listed = 0;
         for (&page, slots) in &self.alias.slots {
             if slots.is_empty() {
-                return Err(format!("10: page {} is listed with no slot", page.0));
+                return Err(format!("11: page {} is listed with no slot", page.0));
             }
             let mut occupied = 0;
             for &s in slots {
@@ -177,26 +192,26 @@ impl PageTable {
                 listed += 1;
                 if self.handle.get(s).copied().flatten() != Some(page) {
                     return Err(format!(
-                        "10: page {} lists slot {s}, which maps {:?}",
+                        "11: page {} lists slot {s}, which maps {:?}",
                         page.0,
                         self.handle.get(s)
                     ));
                 }
                 if self.is_shared(s) != (slots.len() >= 2) {
-                    return Err(format!("10: slot {s}'s shared bit is wrong"));
+                    return Err(format!("11: slot {s}'s shared bit is wrong"));
                 }
                 occupied += usize::from(self.occupied(s));
             }
             if occupied > 1 {
                 return Err(format!(
-                    "10: page {} backs {occupied} occupied slots {slots:?}",
+                    "11: page {} backs {occupied} occupied slots {slots:?}",
                     page.0
                 ));
             }
         }
         if listed != self.mapped_count {
             return Err(format!(
-                "10: {listed} slots listed under pages, {} mapped",
+                "11: {listed} slots listed under pages, {} mapped",
                 self.mapped_count
             ));
         }
@@ -224,7 +239,7 @@ mod tests {
         assert_eq!(pt.busy_alias(3, a), Some(70));
         assert!(!pt.page_idle(a) && pt.page_idle(b));
         pt.live[3] = 1;
-        assert!(pt.check_aliases().unwrap_err().starts_with("10:"));
+        assert!(pt.check_aliases().unwrap_err().starts_with("11:"));
         pt.live[3] = 0;
         pt.learn_conflict(70, 3);
         assert!(pt.conflicts_with(3, a) && !pt.conflicts_with(3, b));

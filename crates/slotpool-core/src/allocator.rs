@@ -62,6 +62,8 @@ pub(crate) struct PoolEntry {
     /// Checkpoints of the pool taken so far (dead ones pruned at each new one): a shard born
     /// while one is alive keeps no quick cache (`Shard::quick_off`).
     pub checkpoints: Vec<Weak<crate::checkpoint::CheckpointToken>>,
+    /// Set while the pool is paused (`pause.rs`): no shard of it is created meanwhile.
+    pub paused: Option<crate::pause::PauseMode>,
 }
 
 static NEXT_ALLOCATOR_UID: AtomicU64 = AtomicU64::new(1);
@@ -150,6 +152,7 @@ impl<D: Device> Allocator<D> {
                 options: PoolOptions::default(),
                 budget: Arc::new(Budget::new(u64::MAX)),
                 checkpoints: Vec::new(),
+                paused: None,
             },
         );
         Allocator {
@@ -340,6 +343,7 @@ impl<D: Device> Allocator<D> {
                 let cell = self.shard_for(pool, stream)?;
                 self.alloc_after_oom(cell, pool, stream, rounded, size)
             }
+            Err(ShardError::Paused) => Err(AllocError::PoolPaused(pool)),
             Err(e) => Err(shard_error(e)),
         }
     }
@@ -538,18 +542,27 @@ impl<D: Device> Allocator<D> {
     /// is in use. The caller keeps its pointer but must not free it again (the PyTorch shim
     /// swallows that later free). Returns the block's size.
     pub fn mark_reusable(&self, ptr: DevicePtr) -> AllocResult<u64> {
-        self.with_owner(ptr, |cell, s| {
+        let r = self.with_owner(ptr, |cell, s| {
+            let pool = s.pool;
+            if s.pause.is_some() {
+                // Its pages are not mapped: retention could not be recorded.
+                return Err((ShardError::Paused, pool));
+            }
             let env = self.env(&cell.pool_budget);
-            let id = s.lookup(ptr).ok_or(ShardError::UnknownPointer)?;
+            let unknown = (ShardError::UnknownPointer, pool);
+            let id = s.lookup(ptr).ok_or(unknown.clone())?;
             let (seg, size) = {
-                let b = s.block(id).ok_or(ShardError::UnknownPointer)?;
+                let b = s.block(id).ok_or(unknown)?;
                 (b.segment, b.size)
             };
             s.retain_range(&env, seg, ptr, size);
-            s.free(&env, ptr).map(|()| size)
-        })
-        .ok_or(AllocError::UnknownPointer(ptr))?
-        .map_err(shard_error)
+            s.free(&env, ptr).map(|()| size).map_err(|e| (e, pool))
+        });
+        match r.ok_or(AllocError::UnknownPointer(ptr))? {
+            Ok(size) => Ok(size),
+            Err((ShardError::Paused, pool)) => Err(AllocError::PoolPaused(pool)),
+            Err((e, _)) => Err(shard_error(e)),
+        }
     }
 
     /// Note that `ptr` is used on `stream` (`Tensor.record_stream`): it is reused on another
@@ -660,6 +673,10 @@ impl<D: Device> Allocator<D> {
         if let Some(cell) = shards.get(&(pool, stream)) {
             return Ok(cell.clone());
         }
+        if entry.paused.is_some() {
+            // A new shard would have nothing to serve from.
+            return Err(AllocError::PoolPaused(pool));
+        }
         let mut shard = Shard::new(
             pool,
             stream,
@@ -668,6 +685,7 @@ impl<D: Device> Allocator<D> {
             self.shared.allocated.new_lease(),
         );
         shard.quick_off = entry.checkpoints.iter().any(|c| c.strong_count() > 0);
+        shard.pausable = entry.options.pausable;
         let cell = Arc::new(ShardCell {
             shard: crate::sync::ShardMutex::new(shard),
             pool_budget: entry.budget.clone(),
@@ -744,6 +762,7 @@ impl<D: Device> Allocator<D> {
             options: options.clone(),
             budget: Arc::new(Budget::new(options.limit.unwrap_or(u64::MAX))),
             checkpoints: Vec::new(),
+            paused: None,
         });
         e.use_count += 1;
         Ok(e.use_count)
@@ -775,6 +794,7 @@ impl<D: Device> Allocator<D> {
                 options: options.clone(),
                 budget: Arc::new(Budget::new(options.limit.unwrap_or(u64::MAX))),
                 checkpoints: Vec::new(),
+                paused: None,
             },
         );
         Ok(id)
@@ -1041,10 +1061,14 @@ impl<D: Device> Allocator<D> {
     /// Forget freeable pools that hold nothing any more.
     fn forget_freeable_pools(&self) {
         self.drop_empty_shards(None);
+        let arena_pools = self.arena_pools();
         let mut pools = lock(&self.pools);
         let shards = lock(&self.shards);
         pools.retain(|id, e| {
-            id.is_default() || e.use_count > 0 || shards.keys().any(|(p, _)| p == id)
+            id.is_default()
+                || e.use_count > 0
+                || shards.keys().any(|(p, _)| p == id)
+                || arena_pools.contains(id)
         });
     }
 
@@ -1094,6 +1118,7 @@ impl<D: Device> Allocator<D> {
         for cell in self.all_shards().values() {
             out.merge(&lock(&cell.shard).stats);
         }
+        self.merge_arena_stats(&mut out, None);
         out.num_alloc_retries += self.num_alloc_retries.load(Ordering::Relaxed);
         out.num_ooms += self.num_ooms.load(Ordering::Relaxed);
         // Device-wide peaks from one counter (the merged per-shard peaks add up per shard).
@@ -1106,11 +1131,11 @@ impl<D: Device> Allocator<D> {
 
     /// Bytes handed out now (rounded), summed over shards: `memory_allocated()`.
     pub fn allocated_bytes(&self) -> u64 {
-        let shards = lock(&self.shards);
-        shards
+        let shards: u64 = lock(&self.shards)
             .values()
             .map(|c| lock(&c.shard).stats.allocated_bytes.all().current as u64)
-            .sum()
+            .sum();
+        shards + self.arena_allocated_bytes()
     }
 
     /// Statistics of one pool.
@@ -1122,6 +1147,7 @@ impl<D: Device> Allocator<D> {
         for cell in self.pool_shards(pool) {
             out.merge(&lock(&cell.shard).stats);
         }
+        self.merge_arena_stats(&mut out, Some(pool));
         Ok(out)
     }
 
@@ -1133,6 +1159,7 @@ impl<D: Device> Allocator<D> {
             // The device-wide counter restarts from the exact allocated bytes.
             s.settle_credit(&self.env(&cell.pool_budget));
         }
+        self.arena_stats_mut(MemoryStats::reset_peak);
         self.shared.allocated.reset_peak();
         self.shared.budget.reset_peak();
     }
@@ -1142,6 +1169,7 @@ impl<D: Device> Allocator<D> {
         for cell in self.all_shards().values() {
             lock(&cell.shard).stats.reset_accumulated();
         }
+        self.arena_stats_mut(MemoryStats::reset_accumulated);
         self.num_alloc_retries.store(0, Ordering::Relaxed);
         self.num_ooms.store(0, Ordering::Relaxed);
     }
@@ -1167,7 +1195,7 @@ impl<D: Device> Allocator<D> {
     /// 3. physical bytes held equal classic segments + mapped pages + cached pages;
     /// 4. each pool's budget equals what its shards hold;
     /// 5. the device-wide allocated counter equals the shards' allocated bytes plus their credits
-    ///    and leases.
+    ///    and leases, plus the arenas' live slots (each arena's own invariants are checked too).
     pub fn check_invariants(&self) -> Result<(), String> {
         let _reclaim = lock(&self.reclaim);
         let ps = self.shared.page_size;
@@ -1180,6 +1208,7 @@ impl<D: Device> Allocator<D> {
             held += bytes;
             *per_pool.entry(pool).or_default() += bytes;
         }
+        allocated += self.check_arenas()?;
         for (&(pool, stream), cell) in &shards {
             let s = lock(&cell.shard);
             s.check_invariants(ps)
@@ -1272,6 +1301,7 @@ impl<D: Device> Allocator<D> {
                 }
             }
         }
+        out.push_str(&self.arena_dump());
         let _ = writeln!(
             out,
             "held {} pages {}",
@@ -1312,6 +1342,7 @@ impl<D: Device> Allocator<D> {
     /// Every segment of every pool and stream with its blocks, in address order (for PyTorch's
     /// `memory_snapshot()`). A vmm reservation is reported as one segment per contiguous run of
     /// mapped pages, as PyTorch reports expandable segments; free blocks are clipped to the run.
+    /// A paused pool's segments are reported with the pages that its resume maps, `paused` set.
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
         let ps = self.shared.page_size.max(1);
         let mut out = Vec::new();
@@ -1334,7 +1365,9 @@ impl<D: Device> Allocator<D> {
                         let mut start: Option<usize> = None;
                         let pages = seg.size.div_ceil(ps) as usize;
                         for p in 0..=pages {
-                            let mapped = p < pages && pt.is_mapped(p);
+                            // A paused page is shown where it was, as a paused run.
+                            let mapped =
+                                p < pages && (pt.shows_page(p) || s.is_paused_page(sid, p));
                             match (mapped, start) {
                                 (true, None) => start = Some(p),
                                 (false, Some(a)) => {
@@ -1369,11 +1402,13 @@ impl<D: Device> Allocator<D> {
                         size: hi - lo,
                         small: seg.small,
                         vmm: seg.is_vmm(),
+                        paused: s.pause.is_some(),
                         blocks: clipped,
                     });
                 }
             }
         }
+        out.extend(self.arena_snapshots());
         out.sort_unstable_by_key(|seg| seg.addr);
         out
     }
@@ -1389,6 +1424,7 @@ pub(crate) fn shard_error(e: ShardError) -> AllocError {
         ShardError::StaleDuringCapture => {
             AllocError::InvalidState("a page slot must be unmapped during a capture".into())
         }
+        ShardError::Paused => AllocError::InvalidState("the pool is paused".into()),
     }
 }
 
@@ -1415,6 +1451,8 @@ pub struct SegmentSnapshot {
     pub small: bool,
     /// Part of a vmm reservation (PyTorch's `is_expandable`).
     pub vmm: bool,
+    /// Its pool is paused: the run's pages are given back and mapped again by the resume.
+    pub paused: bool,
     /// Blocks in address order, tiling `[addr, addr + size)`.
     pub blocks: Vec<BlockSnapshot>,
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::device::{
-    CaptureStatus, Device, DevicePtr, DeviceResult, EventHandle, PageHandle, StreamId,
+    CaptureStatus, Device, DevicePtr, DeviceResult, EventHandle, HostBuffer, PageHandle, StreamId,
 };
 
 /// Backend calls made so far, by kind. `map` counts pages (a run of n pages is n maps).
@@ -43,7 +43,8 @@ impl BackendCalls {
 
 const KINDS: usize = 12;
 
-/// A device whose calls are counted.
+/// A device whose calls are counted. It forwards every method of [`Device`], defaulted ones
+/// included (a default left in place would answer instead of the backend).
 pub(crate) struct Counted {
     dev: Arc<dyn Device>,
     counts: [AtomicU64; KINDS],
@@ -169,5 +170,29 @@ impl Device for Counted {
     }
     fn refresh_access(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
         self.dev.refresh_access(ptr, size)
+    }
+    fn alloc_host(&self, size: u64) -> DeviceResult<HostBuffer> {
+        self.dev.alloc_host(size)
+    }
+    fn free_host(&self, buf: HostBuffer) -> DeviceResult<()> {
+        self.dev.free_host(buf)
+    }
+    fn copy_to_host(
+        &self,
+        dst: HostBuffer,
+        offset: u64,
+        src: DevicePtr,
+        size: u64,
+    ) -> DeviceResult<()> {
+        self.dev.copy_to_host(dst, offset, src, size)
+    }
+    fn copy_from_host(
+        &self,
+        dst: DevicePtr,
+        src: HostBuffer,
+        offset: u64,
+        size: u64,
+    ) -> DeviceResult<()> {
+        self.dev.copy_from_host(dst, src, offset, size)
     }
 }

@@ -35,6 +35,7 @@ pub mod history;
 pub mod id_slab;
 mod live_map;
 mod paged;
+pub mod pause;
 pub mod peak;
 pub mod peer;
 pub mod policy;
@@ -51,10 +52,12 @@ pub use checkpoint::{Checkpoint, RestoreDelta, RestoreDiff};
 pub use config::{Config, ConfigError, GrowthMode};
 pub use counted::BackendCalls;
 pub use device::{
-    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PageHandle, StreamId,
+    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostBuffer,
+    PageHandle, StreamId,
 };
 pub use error::{AllocError, AllocResult, OomReport};
 pub use history::{TraceAction, TraceEntry, TraceSink};
+pub use pause::{PauseMode, PauseState};
 pub use pool::{PoolId, PoolOptions};
 pub use route::{RouteFilter, current_thread_id};
 pub use stats::{MemoryStats, Stat, StatArray};

@@ -41,6 +41,8 @@ pub enum ShardError {
     /// The range needs a stale page slot unmapped (see [`crate::alias`]) while a capture is
     /// underway, when unmapping is illegal: the allocation is served from a new reservation.
     StaleDuringCapture,
+    /// The shard's pool is paused: nothing is handed out until it is resumed.
+    Paused,
 }
 
 impl From<DeviceError> for ShardError {
@@ -73,7 +75,7 @@ pub struct Released {
 ///    `deferred`; no other block has pending events.
 /// 5. Every block in the slab belongs to exactly one segment chain; segments never overlap.
 /// 6. vmm pages: `live[p]` equals the number of non-free blocks overlapping page p; every page a
-///    non-free block overlaps is mapped; a page is idle exactly when mapped with `live == 0`;
+///    non-free block overlaps is mapped (or paused, 10); a page is idle exactly when mapped with `live == 0`;
 ///    only mapped pages are graph-retained; counts match the bitmaps.
 /// 7. Statistics equal a recount of the blocks and segments.
 /// 8. The live map holds exactly the `Allocated` and `Cached` blocks, each under its address (a
@@ -82,7 +84,11 @@ pub struct Released {
 ///    `QUICK_MAX` of them; they have no events or stream uses, count as live for their vmm
 ///    pages (6) and as inactive for the statistics (7), and there are none while a checkpoint is
 ///    alive.
-/// 10. vmm page aliasing ([`crate::alias`]): every mapped slot is listed once under its
+/// 10. Paused (`pause` is set, see `pause.rs`): the pause lists each paused page once, in a vmm
+///     segment, unmapped, with its own stretch of the host backup if there is one; the quick
+///     cache is empty and off; `reserved_paused_bytes` counts the listed pages. Not paused:
+///     `reserved_paused_bytes` is 0.
+/// 11. vmm page aliasing ([`crate::alias`]): every mapped slot is listed once under its
 ///     physical page; a physical page backs at most one occupied slot (live blocks over it, or
 ///     graph-retained); no two non-free blocks reach the same byte of a physical page through
 ///     any of its slots; `reserved_bytes` counts each physical page once.
@@ -135,6 +141,13 @@ pub struct Shard {
     /// Allocations that searched the free index: the clock of garbage collection's ages
     /// (PyTorch's `get_free_blocks_call_count`).
     free_searches: u64,
+    /// The pool is pausable: every segment grows as vmm memory ([`crate::PoolOptions::pausable`]).
+    pub(crate) pausable: bool,
+    /// Set while the pool is paused: what the resume maps again (`pause.rs`).
+    pub(crate) pause: Option<Box<crate::pause::ShardPause>>,
+    /// The pinned host buffer of the last backup, kept for the next one (pinning memory costs
+    /// far more than copying it); freed with the rest of the cache by `release_cached`.
+    pub(crate) host_spare: Option<(crate::device::HostBuffer, u64)>,
     pub stats: MemoryStats,
 }
 
@@ -189,6 +202,9 @@ impl Shard {
             quick_off: false,
             quick_credit: QUICK_CREDIT_MAX,
             free_searches: 0,
+            pausable: false,
+            pause: None,
+            host_spare: None,
             stats,
         }
     }
@@ -395,6 +411,10 @@ impl Shard {
         rounded: u64,
         requested: u64,
     ) -> Result<(BlockId, DevicePtr), ShardError> {
+        // A paused shard's quick cache is empty and off (invariant 10): every request comes here.
+        if self.pause.is_some() {
+            return Err(ShardError::Paused);
+        }
         if !env.capture_underway && (!self.pending.is_empty() || !self.deferred.is_empty()) {
             self.process_events(env);
         }
@@ -447,7 +467,7 @@ impl Shard {
 
     fn find_free(&self, env: &Env<'_>, rounded: u64, small: bool) -> Option<BlockId> {
         let mut best: Option<FreeKey> = self.index(small).first_at_least(rounded);
-        if env.growth == GrowthMode::Vmm {
+        if env.growth == GrowthMode::Vmm || self.pausable {
             // Best fit over the index and the segments' free tails, in the index's order.
             for (_, seg) in self.segments.iter() {
                 if let Some(t) = seg.free_tail
@@ -462,10 +482,17 @@ impl Shard {
             }
         }
         let (size, _, id) = best?;
-        if !env.vmm_for(small) && !env.policy.may_serve(size, rounded) {
+        if !self.vmm_for(env, small) && !env.policy.may_serve(size, rounded) {
             return None;
         }
         Some(id)
+    }
+
+    /// Whether this shard grows blocks of this size class by vmm pages: as the device's
+    /// [`Env::vmm_for`] says, and always in a pausable pool.
+    #[inline]
+    fn vmm_for(&self, env: &Env<'_>, small: bool) -> bool {
+        self.pausable || env.vmm_for(small)
     }
 
     /// Add a segment big enough for `rounded` bytes; returns its one free block.
@@ -476,7 +503,7 @@ impl Shard {
         small: bool,
         exact: bool,
     ) -> Result<BlockId, ShardError> {
-        let growth = if env.vmm_for(small) {
+        let growth = if self.vmm_for(env, small) {
             GrowthMode::Vmm
         } else {
             GrowthMode::Classic
@@ -1080,7 +1107,7 @@ impl Shard {
             }
             for &p in &stale {
                 self.wait_idle_safe(env, seg, p)?;
-                self.unmap_slot(env, seg, p)?;
+                self.unmap_page(env, seg, p)?;
             }
         }
         let live = self.stats.active_bytes.all().current as u64 + (end - first) as u64 * ps;
@@ -1100,7 +1127,10 @@ impl Shard {
         let mut new_bytes = 0u64;
         for &p in &missing {
             let within_slack = slack > 0 && mapped + new_bytes + ps <= live + slack;
-            let alias = (!within_slack)
+            // Without reclaim (a resume, a restore), every slot gets a page of its own: a
+            // resumed pool copies its backup into every slot it had, idle ones included, so no
+            // two of its slots may share a page then.
+            let alias = (!within_slack && allow_reclaim)
                 .then(|| self.idle_page_for(seg, p, taken))
                 .flatten();
             let page = match alias {
@@ -1112,8 +1142,10 @@ impl Shard {
                     }
                     let fresh = match env.pages.take() {
                         Some(h) => Ok(h),
-                        None if within_slack => env.new_page().or_else(|e| {
-                            self.idle_page_for(seg, p, taken)
+                        None if within_slack || !allow_reclaim => env.new_page().or_else(|e| {
+                            allow_reclaim
+                                .then(|| self.idle_page_for(seg, p, taken))
+                                .flatten()
                                 .inspect(|_| env.pool_budget.release(ps))
                                 .or_else(|| self.reclaim_elsewhere(env, seg, allow_reclaim))
                                 .ok_or(e)
@@ -1292,7 +1324,7 @@ impl Shard {
                 };
                 let mut left = None;
                 for q in slots {
-                    match self.unmap_slot(env, sid, q as usize) {
+                    match self.unmap_page(env, sid, q as usize) {
                         Ok(Some(page)) => left = Some(page),
                         Ok(None) => {}
                         Err(_) => return None,
@@ -1378,7 +1410,7 @@ impl Shard {
 
     /// The device was synchronised: every page idle now is safe to unmap. (No event is recorded
     /// on the shard's stream here: the program may have destroyed it since.)
-    fn device_synchronized(&mut self, env: &Env<'_>) {
+    pub(crate) fn device_synchronized(&mut self, env: &Env<'_>) {
         for (_, ev) in self.epoch_events.drain(..) {
             env.events.put(ev);
         }
@@ -1388,7 +1420,7 @@ impl Shard {
 
     /// Unmap slot `p` of reservation `seg`. Returns its page when no other slot of the
     /// reservation maps it (the page left the reservation and its pool's budget), else `None`.
-    fn unmap_slot(
+    pub(crate) fn unmap_page(
         &mut self,
         env: &Env<'_>,
         seg: SegmentId,
@@ -1486,8 +1518,14 @@ impl Shard {
         keep_retained: bool,
     ) -> Released {
         let mut out = Released::default();
-        if env.capture_underway {
+        // A paused shard holds no mapped page, and its segments stay for the resume.
+        if env.capture_underway || self.pause.is_some() {
             return out;
+        }
+        if let Some((buf, _)) = self.host_spare.take()
+            && env.dev.free_host(buf).is_err()
+        {
+            tracing::warn!("a paused pool's spare host buffer could not be freed");
         }
         self.flush_quick(env);
         self.prune_marks();
@@ -1514,7 +1552,7 @@ impl Shard {
                 };
                 for p in idle {
                     // A slot whose page is mapped at another slot too frees no memory.
-                    let Ok(Some(h)) = self.unmap_slot(env, seg, p) else {
+                    let Ok(Some(h)) = self.unmap_page(env, seg, p) else {
                         continue;
                     };
                     out.bytes += env.page_size();
@@ -1840,7 +1878,7 @@ impl Shard {
                         ));
                     }
                     let is_mapped = pt.is_mapped(p);
-                    if want > 0 && !is_mapped {
+                    if want > 0 && !is_mapped && !self.is_paused_page(sid, p) {
                         return Err(format!("6: segment {sid} page {p} is live but not mapped"));
                     }
                     if is_mapped {
@@ -1990,10 +2028,10 @@ impl Shard {
         if st.oversize_allocations.current != recount.oversize_allocations.current {
             return Err("7: oversize_allocations differs from a recount".into());
         }
-        Ok(())
+        self.check_pause(page_size)
     }
 
-    /// Invariant 10, byte by byte: no two non-free blocks of vmm segment `sid` reach the same
+    /// Invariant 11, byte by byte: no two non-free blocks of vmm segment `sid` reach the same
     /// byte of a physical page, through whichever slots the page is mapped at.
     fn check_no_shared_bytes(&self, sid: SegmentId, page_size: u64) -> Result<(), String> {
         let seg = &self.segments[sid];
@@ -2008,8 +2046,9 @@ impl Shard {
             }
             let (first, end) = Self::page_range(page_size, seg.addr, b.addr, b.size);
             for p in first..end {
+                // Unmapped pages under live blocks are invariant 6's (a paused pool has them).
                 let Some(h) = pt.handle.get(p).copied().flatten() else {
-                    return Err(format!("6: block {id} covers unmapped page {p}"));
+                    continue;
                 };
                 let base = seg.addr + p as u64 * page_size;
                 let lo = b.addr.max(base) - base;
@@ -2022,7 +2061,7 @@ impl Shard {
             let ((h0, _, hi0, a), (h1, lo1, _, b)) = (w[0], w[1]);
             if h0 == h1 && lo1 < hi0 {
                 return Err(format!(
-                    "10: blocks {a} and {b} of segment {sid} share bytes of physical page {}",
+                    "11: blocks {a} and {b} of segment {sid} share bytes of physical page {}",
                     h0.0
                 ));
             }

@@ -177,6 +177,14 @@ impl Memory {
         (segments, self.ranges.len() - segments, self.pages.len())
     }
 
+    /// Live pages mapped nowhere.
+    pub(crate) fn unmapped_pages(&self) -> usize {
+        self.pages
+            .values()
+            .filter(|p| p.mapped_at.is_empty())
+            .count()
+    }
+
     /// Host bytes held by all stores.
     pub(crate) fn host_bytes(&self) -> u64 {
         let segments = self.ranges.values().map(|r| match r {
@@ -403,6 +411,16 @@ impl Memory {
             left -= len;
         }
         Ok(pieces)
+    }
+
+    /// How the memory is backed.
+    pub(crate) fn backing(&self) -> Backing {
+        self.backing
+    }
+
+    /// Whether all `len` bytes at `ptr` lie in live segments or mapped pages.
+    pub(crate) fn accessible(&self, ptr: DevicePtr, len: u64) -> Result<(), SimAccessError> {
+        self.pieces(ptr, len).map(|_| ())
     }
 
     fn store(&self, target: Target) -> Option<&Store> {
