@@ -73,6 +73,12 @@ static const size_t MiB = (size_t)1 << 20;
 
 static void initialisation(void) {
     int init = -1;
+    /* Status names, as cudaGetErrorName gives them; they never initialise the library. */
+    CHECK(strcmp(sp_status_name(SP_OK), "SP_OK") == 0);
+    CHECK(strcmp(sp_status_name(SP_ERR_OUT_OF_MEMORY), "SP_ERR_OUT_OF_MEMORY") == 0);
+    CHECK(strcmp(sp_status_name(SP_ERR_CONFIG), "SP_ERR_CONFIG") == 0);
+    CHECK(strcmp(sp_status_name(-1), "SP_ERR_UNRECOGNIZED") == 0);
+    CHECK(strcmp(sp_status_name(SP_ERR_CONFIG + 1), "SP_ERR_UNRECOGNIZED") == 0);
     OK(sp_is_initialized(&init));
     CHECK(init == 0);
     if (getenv("SLOTPOOL_TEST_NO_CUDA")) {

@@ -1,9 +1,10 @@
 //! slotpool-capi: the C ABI of `include/slotpool.h`, built as `libslotpool.so` (SONAME
-//! `libslotpool.so`), `libslotpool.a` and an rlib (for Rust tests and benches).
+//! `libslotpool.so.0`, see `build.rs`), `libslotpool.a` and an rlib (for Rust tests and benches).
 //!
 //! * [`api`]: the exported `sp_*` functions. Every one runs its body under [`error::ffi`]
 //!   (`catch_unwind`; errors become an [`sp_status`] and a per-thread message).
-//! * [`error`]: the crate's one [`Error`] type and its mapping to status codes.
+//! * [`error`]: the crate's one [`Error`] type, the status codes and their names
+//!   (`sp_status_name`), and the mapping from errors to codes.
 //! * [`runtime`]: the process-wide state (backend, one allocator per device, created lazily),
 //!   initialisation from `sp_init` or from `SLOTPOOL_BACKEND` / `SLOTPOOL_CONF`, and shutdown.
 //! * [`types`]: `#[repr(C)]` mirrors of the header's structs, layout pinned by const asserts.
@@ -22,7 +23,7 @@ pub mod snapshot;
 pub mod types;
 
 pub use api::*;
-pub use error::{Error, sp_status};
+pub use error::{Error, sp_status, sp_status_name};
 pub use graph::*;
 pub use ipc::*;
 pub use types::{

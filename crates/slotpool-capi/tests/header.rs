@@ -213,8 +213,8 @@ fn exported_symbols_are_exactly_the_header_functions() {
     if have_tool("readelf") {
         let out = Command::new("readelf").arg("-d").arg(&so).output().unwrap();
         assert!(
-            String::from_utf8_lossy(&out.stdout).contains("Library soname: [libslotpool.so]"),
-            "SONAME missing"
+            String::from_utf8_lossy(&out.stdout).contains("Library soname: [libslotpool.so.0]"),
+            "SONAME is not libslotpool.so.0"
         );
     }
 }
