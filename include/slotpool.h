@@ -51,8 +51,8 @@ typedef enum sp_status {
     /** NULL pointer, zero or absurd (> 2^56) size, unknown device, bad enum value or option. */
     SP_ERR_INVALID_ARGUMENT = 1,
     /** No room on the device, under the memory limit or under a pool limit, even after
-     *  freeing cached memory. The message says how much is reserved, allocated, held by private
-     *  pools and lost to fragmentation. */
+     *  freeing cached memory. The message says how much is reserved and splits it, each byte
+     *  once, into allocated, cached in private pools, and unallocated (cache, fragmentation). */
     SP_ERR_OUT_OF_MEMORY = 2,
     /** Pointer not allocated by slotpool, not the start of an allocation, or already freed. */
     SP_ERR_UNKNOWN_POINTER = 3,

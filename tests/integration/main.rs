@@ -3,6 +3,7 @@
 mod common;
 mod gc;
 mod model;
+mod oom;
 mod peaks;
 mod quick;
 mod retained;
