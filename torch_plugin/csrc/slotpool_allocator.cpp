@@ -943,12 +943,20 @@ CCA::SnapshotInfo SlotpoolAllocator::snapshot(MempoolId_t mempool_id, bool inclu
                            ? static_cast<size_t>(s.max_split_size)
                            : SIZE_MAX;
   cfg.pinned_num_register_threads = 1;
-  cfg.expandable_segments = std::any_of(info.segments.begin(), info.segments.end(),
-                                        [](const auto& x) { return x.is_expandable; });
+  // The configuration in effect, as slotpool reads it ("growth:vmm,...,vmm_page_mb:16"):
+  // PyTorch's snapshot shows it as allocator_settings["PYTORCH_CUDA_ALLOC_CONF"].
+  std::string effective;
+  if (const json::Value* settings = snap.get("allocator_settings")) {
+    effective = settings->str("conf");
+  }
+  cfg.expandable_segments =
+      effective.empty() ? std::any_of(info.segments.begin(), info.segments.end(),
+                                      [](const auto& x) { return x.is_expandable; })
+                        : effective.rfind("growth:vmm", 0) == 0;
   cfg.release_lock_on_malloc = false;
   cfg.pinned_use_host_register = false;
   cfg.graph_capture_record_stream_reuse = false;
-  cfg.last_allocator_settings = "slotpool:" + applied_conf_;
+  cfg.last_allocator_settings = effective.empty() ? applied_conf_ : effective;
   return info;
 }
 

@@ -8,7 +8,8 @@
 //! * [`runtime`]: the process-wide state (backend, one allocator per device, created lazily),
 //!   initialisation from `sp_init` or from `SLOTPOOL_BACKEND` / `SLOTPOOL_CONF`, and shutdown.
 //! * [`types`]: `#[repr(C)]` mirrors of the header's structs, layout pinned by const asserts.
-//! * [`snapshot`]: the PyTorch-shaped JSON snapshot.
+//! * [`snapshot`]: the PyTorch-shaped JSON snapshot; [`settings`]: the configuration in effect,
+//!   as text, that it reports.
 //! * [`ipc`]: CUDA IPC of vmm memory (pages exported as file descriptors, and mapped).
 //!
 //! `docs/c-api.md` is the user guide; `slotpool.h` documents every function.
@@ -19,6 +20,7 @@ pub mod graph;
 pub mod ipc;
 mod out;
 pub mod runtime;
+pub mod settings;
 pub mod snapshot;
 pub mod types;
 

@@ -90,6 +90,10 @@ pub fn snapshot_json(rt: &Runtime, device: Option<usize>) -> String {
     json!({
         "segments": segments,
         "device_traces": traces,
+        "allocator_settings": {
+            "backend": rt.kind.name(),
+            "conf": crate::settings::effective_conf(&rt.config),
+        },
     })
     .to_string()
 }
