@@ -7,6 +7,8 @@ cargo build --release -p slotpool-capi -p slotpool-preload -p slotpool-cli
 cargo build --release -p slotpool-cuda --examples --tests
 mkdir -p .gpu
 cp target/release/libslotpool.so target/release/libslotpool_preload.so .gpu/
+# Programs linked with -lslotpool load it by its SONAME (a copy: links may not survive the trip).
+cp target/release/libslotpool.so .gpu/libslotpool.so.0
 cp target/release/examples/cuda_probe .gpu/
 cp target/release/slotpool .gpu/
 t=$(ls -t target/release/deps/gpu-* | grep -v '\.d$' | head -1)

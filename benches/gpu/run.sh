@@ -269,6 +269,10 @@ if has torch_host; then
 fi
 
 if has torch; then
+  # The api scenario is the pytest suite torch_plugin/tests; pytest from .whl/ where it is missing
+  # (on this machine: python3 -m pip download pytest -d .whl; carry .whl).
+  python3 -c 'import pytest' 2>/dev/null || { [ -d .whl ] &&
+    python3 -m pip install -q --no-index --find-links .whl pytest >"$OUT/pytest_install.log" 2>&1; }
   if [ -f benches/gpu/torch_scenarios.py ]; then
     SLOTPOOL_TORCH_BUILD_DIR=${SLOTPOOL_TORCH_BUILD_DIR:-/tmp/slotpool-torch-ext} OUT=$OUT \
       run torch_scenarios "${TORCH_TIMEOUT:-540}" python3 benches/gpu/torch_scenarios.py ${TORCH_SCENARIOS:-}

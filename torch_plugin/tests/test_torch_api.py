@@ -533,7 +533,7 @@ def test_sp_mark_reusable():
     sp.release_pool(pid)
 
 
-def test_snapshot_allocator_settings():
+def test_sp_snapshot_allocator_settings():
     # The snapshot names the configuration slotpool runs with, not an empty "slotpool:".
     slotpool_only()
     settings = torch.cuda.memory._snapshot()["allocator_settings"]
@@ -544,7 +544,7 @@ def test_snapshot_allocator_settings():
     assert settings["expandable_segments"] == (keys["growth"] == "vmm"), (settings, conf)
 
 
-def test_oom_message_counts_each_byte_once():
+def test_sp_oom_message_counts_each_byte_once():
     slotpool_only()
     try:
         torch.empty(1 << 50, dtype=torch.uint8, device=dev)
