@@ -47,24 +47,6 @@ std::atomic<SlotpoolAllocator*> g_instance{nullptr};
 std::shared_ptr<SlotpoolAllocator> g_owner;
 std::mutex g_install_mu;
 
-const char* status_name(sp_status st) {
-  switch (st) {
-    case SP_OK: return "SP_OK";
-    case SP_ERR_INVALID_ARGUMENT: return "SP_ERR_INVALID_ARGUMENT";
-    case SP_ERR_OUT_OF_MEMORY: return "SP_ERR_OUT_OF_MEMORY";
-    case SP_ERR_UNKNOWN_POINTER: return "SP_ERR_UNKNOWN_POINTER";
-    case SP_ERR_UNKNOWN_POOL: return "SP_ERR_UNKNOWN_POOL";
-    case SP_ERR_INVALID_STATE: return "SP_ERR_INVALID_STATE";
-    case SP_ERR_BACKEND_UNAVAILABLE: return "SP_ERR_BACKEND_UNAVAILABLE";
-    case SP_ERR_DEVICE: return "SP_ERR_DEVICE";
-    case SP_ERR_NOT_INITIALIZED: return "SP_ERR_NOT_INITIALIZED";
-    case SP_ERR_SHUTDOWN: return "SP_ERR_SHUTDOWN";
-    case SP_ERR_PANIC: return "SP_ERR_PANIC";
-    case SP_ERR_CONFIG: return "SP_ERR_CONFIG";
-  }
-  return "SP_ERR_?";
-}
-
 std::string format_size(uint64_t size) {
   char buf[64];
   if (size <= 1024) {
@@ -165,7 +147,7 @@ std::string last_error() {
 
 std::string describe(sp_status st) {
   std::string msg = last_error();
-  std::string out = status_name(st);
+  std::string out = sp_status_name(st);  // the library names its codes
   if (!msg.empty()) {
     out += ": ";
     out += msg;
