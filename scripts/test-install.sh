@@ -59,6 +59,13 @@ for so in "libslotpool.so.$VERSION" libslotpool_preload.so; do
   readelf -S "$LIB/$so" | grep -q '\.gnu_debuglink' || fail "$so has no .gnu_debuglink"
   readelf -S "$LIB/.debug/$so.debug" | grep -q '\.debug_info' || fail ".debug/$so.debug has no debug info"
 done
+# Stripping kept every exported function.
+exports() { nm -D --defined-only "$1" | awk '$2 == "T" {print $3}' | sort; }
+if command -v nm >/dev/null; then
+  [ "$(exports target/release/libslotpool.so)" = "$(exports "$LIB/libslotpool.so.$VERSION")" ] ||
+    fail "the installed library exports other functions than the built one"
+  exports "$LIB/libslotpool.so.$VERSION" | grep -qx sp_status_name || fail "sp_status_name not exported"
+fi
 echo "test-install: layout ok ($(stat -c %s "$LIB/libslotpool.so.$VERSION") bytes, SONAME libslotpool.so.$MAJOR)"
 
 # pkg-config, as the user runs it.
