@@ -860,9 +860,12 @@ fn snapshot_has_pytorch_shape() {
     // The configuration in effect, as text that parses back to it.
     assert_eq!(v["allocator_settings"]["backend"], "sim", "{text}");
     let conf = v["allocator_settings"]["conf"].as_str().unwrap();
-    let (config, _) = slotpool::runtime::parse_conf("", conf).unwrap();
-    assert_eq!(slotpool::settings::effective_conf(&config), conf);
-    assert!(conf.starts_with("growth:") && conf.contains("vmm_slack_percent:"), "{conf}");
+    let (config, _) = runtime::parse_conf("", conf).unwrap();
+    assert_eq!(settings::effective_conf(&config), conf);
+    assert!(
+        conf.starts_with("growth:") && conf.contains("vmm_slack_percent:"),
+        "{conf}"
+    );
     let segments = v["segments"].as_array().unwrap();
     assert!(!segments.is_empty());
     let mut found = 0;
