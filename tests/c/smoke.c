@@ -3,7 +3,8 @@
  * simulated backend. Built and run by crates/slotpool-capi/tests/c_programs.rs:
  *
  *   cc -std=c11 -Wall -Wextra -Werror -Iinclude tests/c/smoke.c -Ltarget/release -lslotpool
- *   SLOTPOOL_BACKEND=sim SLOTPOOL_CONF=sim_devices:2 ./smoke
+ *   ln -sf libslotpool.so target/release/libslotpool.so.0     (the SONAME the program records)
+ *   LD_LIBRARY_PATH=target/release SLOTPOOL_BACKEND=sim SLOTPOOL_CONF=sim_devices:2 ./smoke
  *
  * With SLOTPOOL_TEST_NO_CUDA=1 (set by the runner on machines without a driver) it also checks
  * that sp_init("cuda") fails with SP_ERR_BACKEND_UNAVAILABLE. Exit status 0 = all checks passed.
