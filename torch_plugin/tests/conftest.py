@@ -36,8 +36,8 @@ def cuda_or_skip():
 
 @pytest.fixture(scope="session")
 def allocator():
-    """slotpool_torch installed as PyTorch's CUDA allocator for the session (None under the
-    native control). Must run before anything initialises CUDA."""
+    """slotpool_torch installed as PyTorch's CUDA allocator for the whole test run (None under
+    the native control). Must run before anything initialises CUDA."""
     torch = cuda_or_skip()
     if os.environ.get("SLOTPOOL_TORCH_TEST_ALLOCATOR", "slotpool") == "native":
         return None
