@@ -1,5 +1,5 @@
 //! Checkpoint / restore of a private pool against its number of live blocks, in the shape that
-//! PyTorch's own figures were measured on (`../shared/traces/README.md`): a pool holding n live
+//! PyTorch's own figures were measured on (`benches/traces/README.md`): a pool holding n live
 //! blocks and n free holes. PyTorch 2.11 on the H200 host: checkpoint 86 / 786 / 7,414 us and
 //! restore 203 / 3,193 / 32,104 us for n = 100 / 1,000 / 10,000.
 //!

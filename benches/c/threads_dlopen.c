@@ -1,8 +1,8 @@
 /* Host cost of sp_alloc + sp_free on 1..N threads through the shared library, each thread on its
  * own stream, outside any PyTorch process: alloc_bench's "same" pattern in a plain C program, to
- * tell what a backend adds across threads. It found (docs/benchmarks.md, ninth session) that
- * the large-pair slowdown across threads came from shards made in a row by one thread sharing
- * cache lines, not from the backend.
+ * tell what a backend adds across threads. It showed that the large-pair slowdown across
+ * threads came from shards made in a row by one thread sharing cache lines, not from the
+ * backend (docs/design.md, "Shards share no cache line").
  *
  *   cargo build --release -p slotpool-capi
  *   gcc -O2 -pthread -o /tmp/threads_dlopen benches/c/threads_dlopen.c -ldl
@@ -105,7 +105,7 @@ int main(int argc, char** argv) {
   self_warm = fresh == 2;
   /* Third measurement: one thread again, while THREADS-1 spinners keep the other cores busy
    * (a host that boosts a lone busy core runs the single thread of the first measurement
-   * faster than any thread of a busy host; docs/benchmarks.md, ninth session). */
+   * faster than any thread of a busy host; docs/performance.md, "Noise"). */
   int counts[3] = {1, n, 1};
   double per[3];
   for (int c = 0; c < 3; c++) {

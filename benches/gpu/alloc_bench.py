@@ -1,6 +1,6 @@
 """Host-side latency of allocator calls on the GPU machine, slotpool side by side with PyTorch.
 
-Adapted from ../shared/gpu/alloc_bench.py (the script that produced PyTorch's baseline figures):
+PyTorch's allocators are measured as in the baseline figures of benches/traces/README.md;
 kind 3 is slotpool through its C ABI (libslotpool.so, dlopen'ed from $SLOTPOOL_LIB, CUDA
 backend), measured in the same process and run as the others.
 

@@ -1,11 +1,11 @@
-"""Record the allocation trace of ../shared/gpu/graph_variants.py with capture and variant markers.
+"""Record the allocation trace of benches/gpu/graph_variants.py with capture and variant markers.
 
 usage: record_graph_variants.py MODE     (MODE as graph_variants.py: separate | shared | single:I)
 
 Runs the same workload as the baseline script (a transformer layer, d=4096, 32 heads, FFN 16384,
 bf16, graphed forward+backward with make_graphed_callables for local sequence 8192/CP, CP in
 1, 2, 4, 8) under PyTorch's native allocator with memory history on, and writes
-$OUT/graph_variants_<MODE>.trace.csv.gz in the format of ../shared/traces plus marker lines:
+$OUT/graph_variants_<MODE>.trace.csv.gz in the format of benches/traces/ plus marker lines:
   variant_begin,0,K,0   before variant K's make_graphed_callables
   capture_begin,0,0,0   at each torch.cuda.graph __enter__ (after PyTorch began allocating to the pool)
   capture_end,0,0,0     at each torch.cuda.graph __exit__

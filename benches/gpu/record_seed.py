@@ -1,9 +1,9 @@
 """Record the allocation trace of the shared-capture-pool scenario (torch_scenarios.py seed,
-../shared/gpu/seed_shared_pools.py) under PyTorch's native allocator.
+benches/gpu/seed_shared_pools.py) under PyTorch's native allocator.
 
 usage: record_seed.py [MODE]     MODE: shared (default; one make_graphed_callables over all layers)
 
-Writes $OUT/seed_<MODE>.trace.csv.gz in the format of ../shared/traces plus the marker lines of
+Writes $OUT/seed_<MODE>.trace.csv.gz in the format of benches/traces/ plus the marker lines of
 record_graph_variants.py: `variant_begin,0,0,0` where the scenario resets its peaks (its figures
 count from there), `capture_begin` / `capture_end` around each torch.cuda.graph. SEED_LAYERS
 (default 12) as the scenario. `slotpool replay --variants shared` replays it.

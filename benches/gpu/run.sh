@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# slotpool on the H200: builds the CUDA and C++ parts, runs the GPU tests and the benchmarks side
-# by side with PyTorch's allocator, writes everything under $OUT and prints a short table last.
+# slotpool on a machine with an NVIDIA GPU: builds the CUDA and C++ parts, runs the GPU tests and
+# the benchmarks side by side with PyTorch's allocator, writes everything into the results folder
+# and prints a short table last.
 #
-# Here (the build machine, no GPU):   ./benches/gpu/prepare.sh     (release .so files -> .gpu/)
-# There (through the device tool):    bash benches/gpu/run.sh [STEP...]      carry: .gpu
+#   ./benches/gpu/prepare.sh [--lib DIR]                      build the libraries into DIR (.gpu)
+#   bash benches/gpu/run.sh [--out DIR] [--lib DIR] [STEP...]  run; results in DIR
+#
+# prepare.sh needs Rust; run it on the GPU machine, or on another machine and copy the library
+# folder over. run.sh needs nvcc, g++, Python with PyTorch for the torch steps; no Rust, no network.
+# --out: the results folder (default: $OUT, else ./gpu-results); --lib: the library folder
+# (default: .gpu in the repository).
 #
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch_host torch
-# On demand: record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
+# On demand: baselines (PyTorch's own figures: ckpt_probe, graph_variants, seed_shared_pools,
+# trace_workloads under three allocator settings), record_traces (the three workload traces),
+# record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
 # (growth cost per chunk size), host_sim (the criterion host-cost bench on this host), host_restore
 # (the criterion checkpoint / restore bench on this host), ipc_probe (PyTorch's own CUDA IPC handle
 # of expandable-segment memory), host_abi
@@ -15,17 +23,38 @@
 # Env: TORCH_SCENARIOS, TORCH_TIMEOUT, CHILD_TIMEOUT, CHILD_CPUS (pin torch children, "2-9"), PRELOAD_CPU,
 # PARITY_WORKLOADS, PARITY_RUNS, PARITY_STEPS, KINDS, SKIP_UNCACHED
 set -uo pipefail
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+OUT=${OUT:-./gpu-results}
+LIB=
+ARGS=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --out) OUT=${2:?--out needs a folder}; shift 2 ;;
+    --out=*) OUT=${1#--out=}; shift ;;
+    --lib) LIB=${2:?--lib needs a folder}; shift 2 ;;
+    --lib=*) LIB=${1#--lib=}; shift ;;
+    -h | --help) usage; exit 0 ;;
+    -*) echo "run.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+    *) ARGS+=("$1"); shift ;;
+  esac
+done
+# Both folders are resolved from where run.sh was started, before it moves to the repository.
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+if [ -n "$LIB" ]; then
+  [ -d "$LIB" ] || { echo "run.sh: no library folder $LIB (run prepare.sh --lib $LIB)" >&2; exit 2; }
+  LIB=$(cd "$LIB" && pwd)
+fi
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-OUT=${OUT:-/tmp/slotpool-gpu}
-mkdir -p "$OUT"
-LIB=$ROOT/.gpu
+LIB=${LIB:-$ROOT/.gpu}
+[ -f "$LIB/libslotpool.so" ] || { echo "run.sh: $LIB/libslotpool.so missing: run ./benches/gpu/prepare.sh" >&2; exit 2; }
+export OUT
 BUILD=/tmp/slotpool-build
 mkdir -p "$BUILD"
 export LD_LIBRARY_PATH=$LIB:${LD_LIBRARY_PATH:-}
 export SLOTPOOL_LIB=$LIB/libslotpool.so
 export PYTHONUNBUFFERED=1
-STEPS=${*:-probe suite preload torch_uncached alloc_bench variants torch_host torch}
+STEPS=${ARGS[*]:-probe suite preload torch_uncached alloc_bench variants torch_host torch}
 RES=$OUT/results.jsonl
 : >"$RES"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -82,7 +111,7 @@ if has preload; then
     LD_PRELOAD=$LIB/libslotpool_preload.so SLOTPOOL_BACKEND=cuda SLOTPOOL_LOG=info \
       run preload_slotpool 300 "${PIN[@]}" "$BUILD/preload_loop"
     # Without SLOTPOOL_LOG: the log's byte counts cost a lookup per free. With a previous build
-    # of the library in .gpu (libslotpool_preload_prev.so), the two alternate, twice each.
+    # of the library in the library folder (libslotpool_preload_prev.so), the two alternate, twice each.
     runs=(preload_native preload_slotpool)
     for r in 1 2; do
       if [ -f "$LIB/libslotpool_preload_prev.so" ]; then
@@ -146,8 +175,8 @@ if has host_sim && [ -x "$LIB/alloc_bench_sim" ]; then
   # speed from what the CUDA backend adds to a pair (compare with alloc_bench's slotpool rows).
   run host_sim 300 "$LIB/alloc_bench_sim" --bench --noplot --warm-up-time 1 --measurement-time 3 \
     'pair/vmm/(4KiB|1MiB)$|pair/classic/1MiB$|^threads/1$'
-  # A previous build's bench beside it (.gpu/alloc_bench_sim_prev), alternated: what a change
-  # costs the pairs, before and after on one host in one call.
+  # A previous build's bench beside it ($LIB/alloc_bench_sim_prev), alternated: what a change
+  # costs the pairs, before and after on one host in one run.
   if [ -x "$LIB/alloc_bench_sim_prev" ]; then
     for r in 1 2; do
       for b in prev new; do
@@ -165,11 +194,11 @@ fi
 
 if has host_restore && [ -x "$LIB/checkpoint_bench_sim" ]; then
   # Checkpoint / restore against block count on this host, where PyTorch's own figures were
-  # measured (../shared/traces/README.md: restore 32,104 us at 10,000 live blocks).
+  # measured (benches/traces/README.md: restore 32,104 us at 10,000 live blocks).
   run host_restore 300 "$LIB/checkpoint_bench_sim" --bench --noplot --warm-up-time 1 \
     --measurement-time 3
-  # A previous build's bench beside it (.gpu/checkpoint_bench_sim_prev), alternated: before and
-  # after on one host in one call.
+  # A previous build's bench beside it ($LIB/checkpoint_bench_sim_prev), alternated: before and
+  # after on one host in one run.
   if [ -x "$LIB/checkpoint_bench_sim_prev" ]; then
     for r in 1 2; do
       run host_restore_prev$r 300 "$LIB/checkpoint_bench_sim_prev" --bench --noplot \
@@ -186,7 +215,7 @@ fi
 
 if has host_abi; then
   # One thread's sp_alloc + sp_free through the shared library, on the simulated device and on
-  # CUDA in the same call: what the CUDA backend adds to a pair on this host.
+  # CUDA in the same run: what the CUDA backend adds to a pair on this host.
   if gcc -O2 -o "$BUILD/pair_dlopen" benches/c/pair_dlopen.c -ldl >"$OUT/host_abi_build.log" 2>&1; then
     : >"$OUT/host_abi.log"
     for rep in 1 2; do
@@ -201,7 +230,7 @@ if has host_abi; then
     if gcc -O2 -pthread -o "$BUILD/threads_dlopen" benches/c/threads_dlopen.c -ldl \
       >>"$OUT/host_abi_build.log" 2>&1; then
       # FRESH=1: new streams each run, warmed by the main thread (alloc_bench.py's pattern:
-      # shards made in a row by one thread, the false-sharing case of the ninth session).
+      # shards made in a row by one thread: the false-sharing case of docs/design.md).
       for fresh in 0 1; do
         for b in sim cuda; do
           for sz in 4096 67108864; do
@@ -256,6 +285,28 @@ if has record_seed; then # the seed scenario's trace, for `slotpool replay --var
   OUT=$OUT run record_seed 300 python3 benches/gpu/record_seed.py shared
 fi
 
+if has record_traces; then # benches/traces/{gpt2_train,llama_train,llama_generate}.trace.csv.gz
+  for w in gpt2_train llama_train llama_generate; do
+    OUT=$OUT run "record_$w" 900 python3 benches/gpu/trace_workloads.py "$w" --record
+  done
+fi
+
+if has baselines; then # PyTorch's own figures of benches/traces/README.md, PyTorch alone
+  OUT=$OUT run ckpt_probe 300 python3 benches/gpu/ckpt_probe.py
+  for m in separate shared single:0; do
+    OUT=$OUT run "graph_${m/:/}" 400 python3 benches/gpu/graph_variants.py "$m"
+  done
+  for m in eager per_entry shared; do
+    OUT=$OUT run "seed_$m" 400 python3 benches/gpu/seed_shared_pools.py "$m"
+  done
+  for w in gpt2_train llama_train llama_generate; do
+    for c in "" expandable_segments:True backend:cudaMallocAsync; do
+      OUT=$OUT run "torch_${w}_${c%%:*}" 900 env ${c:+PYTORCH_CUDA_ALLOC_CONF=$c} \
+        python3 benches/gpu/trace_workloads.py "$w"
+    done
+  done
+fi
+
 if has oom_probe; then
   gcc -shared -fPIC -O0 -g -o "$BUILD/segv_backtrace.so" benches/gpu/segv_backtrace.c
   SEGV_BT=$BUILD/segv_backtrace.so SLOTPOOL_TORCH_DEBUG=1 SLOTPOOL_TORCH_BUILD_DIR=/tmp/slotpool-torch-ext-debug \
@@ -283,6 +334,6 @@ fi
 echo "== summary"
 python3 benches/gpu/summarize.py "$OUT" || cat "$RES"
 
-# The device tool returns at most 8 files: the logs travel as one archive (results.jsonl,
-# env.txt and any recorded traces stay loose).
+# The logs and JSON files are packed into one archive, logs.tar.gz (results.jsonl, env.txt and
+# any recorded traces stay loose), so that the folder stays small to copy back.
 (cd "$OUT" && tar czf logs.tar.gz --remove-files ./*.log ./*.json 2>/dev/null) || true

@@ -1,4 +1,4 @@
-"""The model of ../shared/gpu/seed_shared_pools.py: attention + dense MoE-style layers (d=2048,
+"""The model of benches/gpu/seed_shared_pools.py: attention + dense MoE-style layers (d=2048,
 16 heads, 4 experts, sequence 2048, batch 2, bf16). Shared by torch_scenarios.py (seed) and
 record_seed.py so that the recorded trace and the measured scenario run the same layers."""
 import torch

@@ -31,7 +31,7 @@ one JSON line {"scenario": ..., "ok": ..., ...}; a failure is reported, never fa
 Environment: OUT (results go to $OUT/torch_scenarios.json, merged across runs), SLOTPOOL_LIB
 (libslotpool.so; default target/release), SLOTPOOL_TORCH_BUILD_DIR, CHILD_TIMEOUT (s, default
 540), VARIANT_DIM / VARIANT_SEQ (variants), SEED_LAYERS (seed), HOST_ITERS (host_cost).
-Each scenario fits in one 10-minute call; run them in several calls if needed.
+Each scenario takes under 10 minutes on an H200; name several to run them in one process tree.
 """
 import gc
 import json

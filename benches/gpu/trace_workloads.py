@@ -5,8 +5,9 @@ PYTORCH_CUDA_ALLOC_CONF picks the native allocator's configuration.
 Writes $OUT/<workload>.<conf>.json (stats) and, with --record, $OUT/<workload>.trace.csv.gz
 (one line per allocator event: action,addr,size,stream).
 
-Copied from the team's shared/gpu/trace_workloads.py; the workloads are importable
-(build_workload) so that torch_scenarios.py runs the same gpt2_train under slotpool and native.
+This script recorded benches/traces/{gpt2_train,llama_train,llama_generate}.trace.csv.gz. The
+workloads are importable (build_workload) so that torch_scenarios.py runs the same gpt2_train
+under slotpool and native.
 """
 import os, sys, json, time, gzip, random
 import torch

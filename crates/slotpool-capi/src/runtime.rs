@@ -273,9 +273,9 @@ pub fn split_conf(s: &str) -> (Vec<(String, String)>, String) {
 /// What programs get beneath `SLOTPOOL_CONF` and `sp_init`'s `conf`: some idle mapped memory
 /// (8% of live bytes) instead of moving pages whenever the allocation pattern shifts, and 16 MiB
 /// vmm pages (growth costs about the same per driver call whatever the page size). Measured on the
-/// H200 (docs/benchmarks.md): PyTorch's gpt2_train under LD_PRELOAD took 95 ms a step with
-/// neither, 66 ms with the slack (PyTorch's own allocator: 65 ms), and peak reserved stayed below
-/// PyTorch's. `vmm_slack_percent:0,vmm_page_mb:2` makes physical memory follow live bytes exactly.
+/// H200 (docs/performance.md, "LD_PRELOAD"): PyTorch's gpt2_train under LD_PRELOAD took 84 ms a
+/// step with neither, 64 ms with both (PyTorch's own allocator: 63 ms), and peak reserved stayed
+/// below PyTorch's. `vmm_slack_percent:0,vmm_page_mb:2` makes physical memory follow live bytes exactly.
 pub const DEFAULT_CONF: &str = "vmm_slack_percent:8,vmm_page_mb:16";
 
 /// [`DEFAULT_CONF`], with `SLOTPOOL_CONF` applied over it and `conf` over both (so `conf` wins),

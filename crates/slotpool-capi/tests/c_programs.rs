@@ -138,7 +138,7 @@ fn smoke_c_against_the_static_library() {
 
 /// The host-cost harnesses of `benches/c/` (run on the H200 by `benches/gpu/run.sh host_abi`)
 /// build warning-free and run to their JSON line on the sim backend, with counts small enough
-/// for a debug build: a harness broken here would cost a device call to find out.
+/// for a debug build: a harness broken here would otherwise show only on a GPU machine.
 #[test]
 fn bench_harnesses_build_and_run_on_the_sim() {
     if !have_tool("cc") {
@@ -181,4 +181,32 @@ fn bench_harnesses_build_and_run_on_the_sim() {
             "{out}"
         );
     }
+}
+
+/// `examples/c/pool_checkpoint.c`, the C program of `examples/`, builds warning-free with the
+/// command its header gives and runs to its end on the sim backend.
+#[test]
+fn the_c_example_builds_and_runs() {
+    if !have_tool("cc") {
+        return;
+    }
+    let lib = lib_dir();
+    let exe = out_dir().join("pool_checkpoint");
+    run_ok(
+        Command::new("cc")
+            .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-o"])
+            .arg(&exe)
+            .arg("-I")
+            .arg(repo_root().join("include"))
+            .arg(repo_root().join("examples/c/pool_checkpoint.c"))
+            .arg("-L")
+            .arg(&lib)
+            .arg("-lslotpool"),
+        "cc pool_checkpoint.c",
+    );
+    let out = run_program(&exe, &soname_dir());
+    assert!(
+        out.contains("re-created 1") && out.ends_with("ok\n"),
+        "{out}"
+    );
 }

@@ -2,7 +2,7 @@
 //!
 //! - [`trace`]: read allocation traces (the project's `action,addr,size,stream` CSV, gzip or not,
 //!   and PyTorch's `_dump_snapshot` pickles) into a [`Trace`].
-//! - [`replay`]: drive any [`ReplayTarget`] (an allocator) with a trace's alloc/free workload and
+//! - [`replay()`]: drive any [`ReplayTarget`] (an allocator) with a trace's alloc/free workload and
 //!   report peak allocated/reserved, fragmentation ratio and per-call host latency.
 //! - [`plot`]: draw a report's timeline as an SVG.
 //! - [`model`]: [`ModelTarget`], a toy best-fit allocator used to test the driver (and, until the

@@ -1,11 +1,11 @@
-//! [`ModelTarget`]: a toy allocator to drive [`crate::replay`] with, not slotpool's allocator.
+//! [`ModelTarget`]: a toy allocator to drive [`crate::replay()`] with, not slotpool's allocator.
 //!
 //! One virtual address range, best-fit over free ranges with neighbour merging, sizes rounded to
 //! 512 B, the top of the range shrinking when its last block falls free. Two ways to count
 //! reserved memory:
 //!
-//! - [`ModelMode::Vmm`]: 2 MiB pages are mapped only while a live block touches them (the model
-//!   of `shared/traces/README.md`: physical memory follows live bytes; remapping is free).
+//! - [`ModelMode::Vmm`]: 2 MiB pages are mapped only while a live block touches them (the lower
+//!   bound of `benches/traces/README.md`: physical memory follows live bytes; remapping is free).
 //! - [`ModelMode::Classic`]: the high-water mark of the used address range, rounded up to 2 MiB
 //!   (nothing is ever given back).
 

@@ -4,7 +4,7 @@
 //!
 //! - **CSV** (`*.trace.csv`, optionally gzip-compressed): a header line naming at least the columns
 //!   `action,addr,size,stream` (in any order; extra columns are allowed and ignored), then one line
-//!   per event. An `oom` line may leave `addr` empty. This is the format of `shared/traces/`.
+//!   per event. An `oom` line may leave `addr` empty. This is the format of `benches/traces/`.
 //! - **PyTorch snapshot pickles** written by `torch.cuda.memory._dump_snapshot()`: a pickled dict
 //!   whose `device_traces` holds one list of trace entries per device (optionally gzip-compressed
 //!   too). One device is read per trace (see [`ReadOptions::device`]).

@@ -2,9 +2,9 @@
 //!
 //! A checkpoint costs O(segments) per shard of the pool: it places a *mark* in each shard, in
 //! each of the structures that hold its state. Those structures keep themselves in pages that
-//! journal themselves ([`crate::paged`]): while a mark is open, the first change to a page in a
+//! journal themselves (`paged.rs`): while a mark is open, the first change to a page in a
 //! window moves the page into a log and carries on in a copy. The block slab
-//! ([`crate::block_slab`]), the live map ([`crate::live_map`]) and the free indexes are such
+//! (`block_slab.rs`), the live map (`live_map.rs`) and the free indexes are such
 //! structures; a mark also keeps each segment's first block and free tail, and the block
 //! statistics' current values. A restore moves the logged pages back, a pointer each, so it costs
 //! the pages changed since the checkpoint, not the blocks the pool holds. While a mark is alive

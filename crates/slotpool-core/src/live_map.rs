@@ -9,7 +9,7 @@
 //!
 //! While a mark is open, every insertion and removal is also appended to an op log: a restore
 //! reads what changed from the ops since its mark (a few hundred KB written moments ago) instead
-//! of comparing the table's pages then and now (twice the table, cold: on the build VM that took
+//! of comparing the table's pages then and now (twice the table, cold: on a 2-core VM that took
 //! 226 us of a 770 us restore at 10,000 live blocks).
 
 use crate::block::{BlockId, SegmentId};

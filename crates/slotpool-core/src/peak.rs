@@ -7,7 +7,7 @@
 //! would make it the bottleneck of every thread, so a shard keeps bytes it freed counted there and
 //! spends them on its next allocations:
 //!
-//! - up to [`CREDIT_MAX`] bytes as its *credit*, a plain field under the shard's lock (small
+//! - up to `CREDIT_MAX` bytes as its *credit*, a plain field under the shard's lock (small
 //!   pairs cost nothing more);
 //! - beyond that, all of it as its [`Lease`], an atomic of its own that other shards may take back
 //!   (large pairs cost one uncontended read-modify-write each way instead of one on the shared

@@ -74,7 +74,7 @@ pub struct Released {
 /// 8. The live map holds exactly the `Allocated` and `Cached` blocks, each under its address (a
 ///    cached block stays there, so that the quick cache's round trip costs no hashing).
 /// 9. The quick cache holds exactly the `Cached` blocks, each under its size, at most
-///    [`QUICK_MAX`] of them; they have no events or stream uses, count as live for their vmm
+///    `QUICK_MAX` of them; they have no events or stream uses, count as live for their vmm
 ///    pages (6) and as inactive for the statistics (7), and there are none while a checkpoint is
 ///    alive.
 #[derive(Debug)]
@@ -155,8 +155,8 @@ impl Shard {
         // The containers that every pair writes start with room to spare: a shard is often made
         // by one thread for another (a warm-up pair per stream), and small first allocations of
         // several shards made in a row share cache lines, which the shards' threads then fight
-        // over (on the H200, 16 threads of 64 MiB pairs cost 1.5x more each; docs/benchmarks.md,
-        // ninth session).
+        // over (on the H200 host, 16 threads of 64 MiB pairs cost 1.5x more each; see
+        // "Shards share no cache line" in docs/design.md).
         Shard {
             pool,
             stream,

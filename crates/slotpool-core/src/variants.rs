@@ -130,7 +130,7 @@ impl<D: Device> Allocator<D> {
         let mut guards: Vec<_> = cells.iter().map(|c| lock(&c.shard)).collect();
         // keep_live grouped by shard, looked up in the pool's own shards (locked now): one
         // live-map probe a pointer, where the registry took a read lock, a shard lock and two
-        // reference counts each (30 ns a pointer on the build VM). Pointers found in none are
+        // reference counts each (30 ns a pointer on a 2-core VM). Pointers found in none are
         // named once the locks are gone (`with_owner` takes a shard's lock).
         let mut keeps: Vec<Vec<(DevicePtr, usize)>> = vec![Vec::new(); cells.len()];
         let mut strays = Vec::new();
