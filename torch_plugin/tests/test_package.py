@@ -155,12 +155,13 @@ def test_the_loader_reports_where_it_looked(monkeypatch):
 
 
 def test_the_built_library_loads_with_ctypes_and_names_its_codes():
-    # The library this checkout built, loaded as the package loads it (ctypes, by path).
+    # The library the package would load (the same file: one copy, one allocator, in a process
+    # that goes on to install slotpool), loaded as the package loads it: ctypes, by path.
     import ctypes
 
-    where = os.environ.get("SLOTPOOL_LIB") or os.path.join(REPO, "target", "release")
-    lib = _loader._lib_in(where) if os.path.isdir(where) else where
-    if not lib or not os.path.isfile(lib):
+    try:
+        lib = _loader.find_lib()
+    except FileNotFoundError:
         pytest.skip("libslotpool.so is not built (cargo build --release -p slotpool-capi)")
     so = ctypes.CDLL(lib)
     so.sp_status_name.restype = ctypes.c_char_p
