@@ -87,6 +87,13 @@ log=$(cd "$WORK" && LD_LIBRARY_PATH="$LIB" SLOTPOOL_BACKEND=sim SLOTPOOL_LOG=deb
 if [[ $log == *$'\e'* ]]; then fail "escape codes in a piped log: $(printf %q "$log")"; fi
 echo "test-install: piped log has no escape codes"
 
+# --libdir: the same layout under lib64, and a .pc that points there.
+scripts/install.sh --prefix "$WORK/p64" --libdir lib64 --no-build >/dev/null || fail "install.sh --libdir lib64"
+[ -L "$WORK/p64/lib64/libslotpool.so.$MAJOR" ] && [ ! -e "$WORK/p64/lib" ] || fail "--libdir lib64 layout"
+[ "$(PKG_CONFIG_PATH=$WORK/p64/lib64/pkgconfig pkg-config --variable=libdir slotpool)" = "$WORK/p64/lib64" ] ||
+  fail "slotpool.pc of --libdir lib64"
+grep -q '/lib64/libslotpool.so' "$WORK/p64/lib64/cmake/slotpool/slotpoolConfig.cmake" || fail "cmake config of --libdir lib64"
+
 if command -v cmake >/dev/null; then
   mkdir -p "$WORK/cmake-app"
   cp tests/c/installed.c "$WORK/cmake-app/"
