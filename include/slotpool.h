@@ -11,7 +11,12 @@
  *    sp_last_error_message() describes the failure. A failed call changes no allocator state
  *    (an out-pointer may have been set to NULL/0, as documented).
  *  - Thread safety: every function may be called from any thread at any time, concurrently.
- *    Calls on different streams, pools and devices do not contend.
+ *    Calls on different streams, pools and devices do not contend. The caller's own objects
+ *    are the caller's to order: a pointer freed twice at once is one success and one
+ *    SP_ERR_UNKNOWN_POINTER; allocations a restore frees must not be in use elsewhere; handles
+ *    may be used while freed (see the graph-memory section); sp_check_invariants and
+ *    sp_snapshot_json are exact only while no other thread changes the device. docs/c-api.md
+ *    lists the rules.
  *  - Out-pointers are required (NULL -> SP_ERR_INVALID_ARGUMENT) unless marked "may be NULL".
  *  - Devices are ordinals 0..count-1 (sp_device_count); any other value ->
  *    SP_ERR_INVALID_ARGUMENT. Where "-1: every device" is noted, -1 means every device in use.
@@ -159,7 +164,8 @@ sp_status sp_version(int* major, int* minor, int* patch);
 /** Returns 1 if this build supports the feature name, else 0 (also for NULL or unknown names).
  *  Names: "cuda", "sim", "vmm", "pools", "routes", "statistics", "snapshot",
  *  "torch_pluggable", "checkpoint", "arenas", "variant_groups", "traces", "vmm_ipc"
- *  (sp_ipc_export / sp_ipc_open). Never initialises; works after sp_shutdown. */
+ *  (sp_ipc_export / sp_ipc_open), "sim_bytes" (sp_sim_write and friends). Never initialises;
+ *  works after sp_shutdown. */
 int sp_has_feature(const char* name);
 
 /** The message of the latest failed call on this thread; "" once a later call on this thread
@@ -188,8 +194,10 @@ const char* sp_status_name(int status);
  *           garbage_collection_threshold (0..1, PyTorch's: with a limit set, growth first
  *           releases old free classic segments while more than this share is held); for the
  *           sim backend also
- *           sim_memory_mb (per device, default 81920), sim_devices (1..64, default 1) and
- *           sim_auto_complete (0|1, default 1: streams complete at once). sim_* keys are
+ *           sim_memory_mb (per device, default 81920), sim_devices (1..64, default 1),
+ *           sim_auto_complete (0|1, default 1: streams complete at once) and sim_bytes (0|1,
+ *           default 0: accounts only; 1: device memory holds host-backed bytes, allocated per
+ *           64 KiB on first write, which sp_sim_write and friends access). sim_* keys are
  *           ignored by the cuda backend.
  *  Errors: SP_ERR_CONFIG (unknown key, named in the message; bad value), SP_ERR_INVALID_ARGUMENT
  *  (unknown backend), SP_ERR_BACKEND_UNAVAILABLE ("cuda" without a driver or device),
@@ -397,8 +405,12 @@ sp_status sp_snapshot_json(int device, char** out_json, size_t* len);
 /* CUDA-graph memory: checkpoint / restore, variant groups, arenas, live sets                 */
 /*                                                                                            */
 /* Handles (sp_checkpoint, sp_restore_delta, sp_variant_group) are owned by the caller and     */
-/* freed with their _free function; a freed, foreign or stale handle is SP_ERR_INVALID_ARGUMENT.*/
-/* A handle may be used from any thread but not concurrently with its own _free.              */
+/* freed with their _free function. A handle is an opaque token, not an address: it carries    */
+/* its kind and a generation and is looked up in its kind's own registry. A handle of another  */
+/* kind, a freed handle (even after its slot holds a new object) or a made-up value gives      */
+/* SP_ERR_INVALID_ARGUMENT with a message naming which, and changes nothing; the _count        */
+/* functions return 0 and set the message. A handle may be used from any thread, also          */
+/* concurrently with its own _free: a call that found it completes on it, later ones fail.     */
 
 /** A pool's state at one moment (segments, split topology, live set). Opaque. */
 typedef struct sp_checkpoint sp_checkpoint;
@@ -421,14 +433,17 @@ sp_status sp_checkpoint_free(sp_checkpoint* cp);
  *  them); *delta_out (may be NULL) lists both. A transaction: on SP_ERR_INVALID_STATE (a
  *  keep_live pointer the checkpoint lacks, a stale checkpoint, pending cross-stream frees)
  *  nothing changed and the message names the blocks added and removed with their sizes. Also
- *  SP_ERR_INVALID_ARGUMENT (checkpoint of another pool or device), SP_ERR_OUT_OF_MEMORY. */
+ *  SP_ERR_INVALID_ARGUMENT (checkpoint of another pool or device; keep_live NULL with
+ *  n_keep > 0, or n_keep above the device's memory / 512, the most allocations it could hold),
+ *  SP_ERR_OUT_OF_MEMORY. */
 sp_status sp_checkpoint_restore(int device, sp_pool_id id, const sp_checkpoint* cp,
                                 void* const* keep_live, size_t n_keep,
                                 sp_restore_delta** delta_out);
 
-/** Number of allocations a restore freed (0 for an invalid handle). */
+/** Number of allocations a restore freed (0 for an invalid handle, with the reason in
+ *  sp_last_error_message). */
 size_t sp_delta_freed_count(const sp_restore_delta* d);
-/** Number of allocations a restore re-created (0 for an invalid handle). */
+/** Number of allocations a restore re-created (0 for an invalid handle, as above). */
 size_t sp_delta_created_count(const sp_restore_delta* d);
 /** Entry i of the freed allocations. Errors: SP_ERR_INVALID_ARGUMENT (handle, index, NULL). */
 sp_status sp_delta_freed(const sp_restore_delta* d, size_t i, void** ptr, size_t* size);
@@ -467,7 +482,9 @@ sp_status sp_arena_set_debug(int device, uint64_t arena, int on);
 sp_status sp_arena_destroy(int device, uint64_t arena);
 
 /** SP_OK iff the live allocations of pool id are exactly ptrs[0..n] (checkPoolLiveAllocations);
- *  else SP_ERR_INVALID_STATE with the difference in the message. */
+ *  else SP_ERR_INVALID_STATE with the difference in the message. SP_ERR_INVALID_ARGUMENT: ptrs
+ *  NULL with n > 0, or n above the device's memory / 512 (the most allocations it could hold,
+ *  so that no length makes slotpool read or copy an unbounded list). */
 sp_status sp_pool_verify_live(int device, sp_pool_id id, void* const* ptrs, size_t n);
 /** Writes the number of live allocations of pool id. */
 sp_status sp_pool_live_count(int device, sp_pool_id id, size_t* out);
@@ -519,6 +536,27 @@ sp_status sp_clear_history(int device);
  *  one. O(blocks); meant for tests, and only meaningful while no other thread uses the device
  *  (it visits the state piece by piece). */
 sp_status sp_check_invariants(int device);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Bytes of simulated device memory (for tests)                                               */
+/*                                                                                            */
+/* The simulated device keeps bytes only with the configuration key sim_bytes:1; without it   */
+/* these return SP_ERR_BACKEND_UNAVAILABLE, and so they do on a CUDA device. The device range  */
+/* must lie wholly in mapped memory of device (a live segment or mapped vmm pages, whether     */
+/* allocated or cached), else SP_ERR_INVALID_ARGUMENT and nothing is copied. n may be 0; n     */
+/* above 2^56 is SP_ERR_INVALID_ARGUMENT. Never-written memory reads as 0x00 (classic          */
+/* segments) or 0xA5 (vmm pages).                                                             */
+
+/** Copies n bytes from host memory src to device memory dst (cudaMemcpy host-to-device). */
+sp_status sp_sim_write(int device, void* dst, const void* src, size_t n);
+/** Copies n bytes from device memory src to host memory dst (cudaMemcpy device-to-host). */
+sp_status sp_sim_read(int device, const void* src, void* dst, size_t n);
+/** Writes the test pattern of seed over n bytes of device memory at dst: a deterministic
+ *  pseudo-random byte sequence, distinct for each seed and offset. */
+sp_status sp_sim_fill(int device, void* dst, size_t n, uint64_t seed);
+/** Checks that n bytes at src hold the pattern sp_sim_fill(device, src, n, seed) wrote;
+ *  SP_ERR_INVALID_STATE names the first byte that differs. */
+sp_status sp_sim_verify(int device, const void* src, size_t n, uint64_t seed);
 
 /* ------------------------------------------------------------------------------------------ */
 /* torch.cuda.memory.CUDAPluggableAllocator                                                   */

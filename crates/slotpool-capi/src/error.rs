@@ -247,6 +247,25 @@ pub fn ffi<F: FnOnce() -> Result<()>>(f: F) -> sp_status {
     }
 }
 
+/// [`ffi`] for an entry point that returns a value rather than a status: `default` on an error
+/// or a panic, whose message is recorded as by [`ffi`].
+pub(crate) fn ffi_value<T>(default: T, f: impl FnOnce() -> Result<T>) -> T {
+    let result = match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => Err(Error::Panic(panic_message(&*payload))),
+    };
+    match result {
+        Ok(v) => {
+            clear_last_error();
+            v
+        }
+        Err(e) => {
+            fail(&e);
+            default
+        }
+    }
+}
+
 /// Records `e` (and logs it at debug level) and returns its status.
 #[cold]
 pub(crate) fn fail(e: &Error) -> sp_status {

@@ -1,109 +1,118 @@
 //! The C functions for CUDA-graph memory: checkpoint / restore, variant groups, arenas, live-set
 //! queries and the invariant check.
 //!
-//! Checkpoints, restore deltas and variant groups are heap objects behind opaque pointers. Every
-//! live handle is registered, so a stale, foreign or freed handle is an `SP_ERR_INVALID_ARGUMENT`,
-//! not a dereference of garbage.
+//! Checkpoints, restore deltas and variant groups are objects in per-kind registries; the C
+//! pointer types are opaque tokens that name them (see [`crate::handle`]), so a handle of another
+//! kind, a freed handle or a made-up value is an `SP_ERR_INVALID_ARGUMENT`, never a read through
+//! garbage.
 
 use std::ffi::{c_int, c_void};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
-use rustc_hash::FxHashSet;
+use slotpool_core::policy::MIN_BLOCK_SIZE;
 use slotpool_core::{ArenaId, Checkpoint, DevicePtr, RestoreDelta, VariantGroup};
 
-use crate::error::{Error, Result, ffi, sp_status};
+use crate::error::{Error, Result, ffi, ffi_value, sp_status};
+use crate::handle::{Kind, Registry};
 use crate::out::{put, put_opt, required};
-use crate::runtime::{TraceCallback, each, runtime};
+use crate::runtime::{DevAlloc, TraceCallback, each, runtime};
 use crate::types::{sp_pool_id, sp_trace_event};
 
-/// A checkpoint of one pool on one device (opaque to C).
+/// A checkpoint handle (opaque to C: the pointer is a token, never dereferenced).
 #[allow(non_camel_case_types)]
 #[derive(Debug)]
 pub struct sp_checkpoint {
+    _opaque: (),
+}
+
+/// A restore delta handle (opaque to C).
+#[allow(non_camel_case_types)]
+#[derive(Debug)]
+pub struct sp_restore_delta {
+    _opaque: (),
+}
+
+/// A variant group handle (opaque to C).
+#[allow(non_camel_case_types)]
+#[derive(Debug)]
+pub struct sp_variant_group {
+    _opaque: (),
+}
+
+/// A checkpoint of one pool on one device.
+struct CheckpointObj {
     device: c_int,
     cp: Checkpoint,
 }
 
-/// What a restore did (opaque to C).
-#[allow(non_camel_case_types)]
-#[derive(Debug)]
-pub struct sp_restore_delta {
-    delta: RestoreDelta,
-}
-
-/// A variant group (opaque to C).
-#[allow(non_camel_case_types)]
-#[derive(Debug)]
-pub struct sp_variant_group {
+/// A variant group on one device.
+struct GroupObj {
     device: c_int,
     group: Mutex<VariantGroup>,
 }
 
-/// Addresses of live handles of every kind.
-static HANDLES: Mutex<Option<FxHashSet<usize>>> = Mutex::new(None);
+static CHECKPOINTS: Registry<CheckpointObj> = Registry::new(Kind::Checkpoint);
+static DELTAS: Registry<RestoreDelta> = Registry::new(Kind::Delta);
+static GROUPS: Registry<GroupObj> = Registry::new(Kind::VariantGroup);
 
-fn handles() -> MutexGuard<'static, Option<FxHashSet<usize>>> {
-    HANDLES.lock().unwrap_or_else(PoisonError::into_inner)
+/// The token of a handle pointer.
+fn tok<T>(p: *const T) -> u64 {
+    p.addr() as u64
 }
 
-fn register<T>(v: T) -> *mut T {
-    let p = Box::into_raw(Box::new(v));
-    handles()
-        .get_or_insert_with(Default::default)
-        .insert(p as usize);
-    p
+/// The handle pointer of a token.
+fn handle<T>(t: u64) -> *mut T {
+    std::ptr::without_provenance_mut(t as usize)
 }
 
-/// The handle `p` if it is live.
-fn lookup<'a, T>(p: *const T, what: &str) -> Result<&'a T> {
-    if p.is_null() {
-        return Err(Error::null(what));
-    }
-    if !handles()
-        .as_ref()
-        .is_some_and(|h| h.contains(&(p as usize)))
-    {
-        return Err(Error::InvalidArgument(format!(
-            "{what} is not a live slotpool handle (freed, or never returned by slotpool)"
-        )));
-    }
-    // SAFETY: `p` was returned by `register` (Box::into_raw) and has not been unregistered, so it
-    // points to a live `T`; handles are only freed through `unregister`, which callers must not
-    // race with uses of the same handle (documented in slotpool.h).
-    Ok(unsafe { &*p })
+fn checkpoint(p: *const sp_checkpoint) -> Result<Arc<CheckpointObj>> {
+    CHECKPOINTS.get(tok(p), Kind::Checkpoint.name())
 }
 
-/// Take `p` out of the registry and drop it; unknown pointers are an error.
-fn unregister<T>(p: *mut T, what: &str) -> Result<()> {
-    if p.is_null() {
-        return Ok(());
-    }
-    if !handles().as_mut().is_some_and(|h| h.remove(&(p as usize))) {
-        return Err(Error::InvalidArgument(format!(
-            "{what} is not a live slotpool handle"
-        )));
-    }
-    // SAFETY: `p` came from `Box::into_raw` in `register` and was live in the registry, which we
-    // just left, so this is the only drop.
-    drop(unsafe { Box::from_raw(p) });
-    Ok(())
+fn delta(p: *const sp_restore_delta) -> Result<Arc<RestoreDelta>> {
+    DELTAS.get(tok(p), Kind::Delta.name())
 }
 
-/// Pointers from a C array.
+fn group(p: *const sp_variant_group) -> Result<Arc<GroupObj>> {
+    GROUPS.get(tok(p), Kind::VariantGroup.name())
+}
+
+/// Pointers from a C array of `n` entries. A length above the most allocations `d`'s device
+/// could hold (one per smallest block) is refused before the array is read, and the copy's host
+/// memory is reserved fallibly: no length can make the library abort or form an invalid slice.
 ///
 /// # Safety
 ///
 /// `ptrs` must be NULL (with `n` = 0) or point to `n` readable pointers.
-unsafe fn ptr_list(ptrs: *const *mut c_void, n: usize) -> Result<Vec<DevicePtr>> {
+unsafe fn ptr_list(
+    d: &DevAlloc,
+    ptrs: *const *mut c_void,
+    n: usize,
+    what: &str,
+) -> Result<Vec<DevicePtr>> {
     if n == 0 {
         return Ok(Vec::new());
     }
     if ptrs.is_null() {
-        return Err(Error::null("pointer list"));
+        return Err(Error::null(what));
     }
-    // SAFETY: non-null, and `n` readable elements by the caller's contract.
+    let most = d.total_memory() / MIN_BLOCK_SIZE;
+    if n as u64 > most {
+        return Err(Error::InvalidArgument(format!(
+            "{what} has {n} entries; the device ({} bytes) cannot hold more than {most} \
+             allocations",
+            d.total_memory()
+        )));
+    }
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).map_err(|_| {
+        Error::OutOfMemory(format!("host memory for a copy of {what} ({n} entries)"))
+    })?;
+    // SAFETY: non-null, and `n` readable elements by the caller's contract; `n` is at most
+    // 2^56 / 512 entries, so the slice is well under isize::MAX bytes.
     let s = unsafe { std::slice::from_raw_parts(ptrs, n) };
-    Ok(s.iter().map(|&p| p as DevicePtr).collect())
+    out.extend(s.iter().map(|&p| p as DevicePtr));
+    Ok(out)
 }
 
 /// Hands `delta` to the caller through `out` (may be NULL: not wanted).
@@ -111,12 +120,14 @@ unsafe fn ptr_list(ptrs: *const *mut c_void, n: usize) -> Result<Vec<DevicePtr>>
 /// # Safety
 ///
 /// `out` must be NULL or valid for a write.
-unsafe fn deliver(delta: RestoreDelta, out: *mut *mut sp_restore_delta) {
+unsafe fn deliver(delta: RestoreDelta, out: *mut *mut sp_restore_delta) -> Result<()> {
     // Registered only when wanted: nobody would ever free an unwanted handle.
     if !out.is_null() {
+        let t = DELTAS.insert(delta)?;
         // SAFETY: valid for a write by the caller's contract.
-        unsafe { put_opt(out, register(sp_restore_delta { delta })) };
+        unsafe { put_opt(out, handle(t)) };
     }
+    Ok(())
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -138,8 +149,9 @@ pub unsafe extern "C" fn sp_checkpoint_take(
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, std::ptr::null_mut()) };
         let cp = each!(runtime()?.device(device)?, a => a.checkpoint(id.into()))?;
+        let t = CHECKPOINTS.insert(CheckpointObj { device, cp })?;
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
-        unsafe { put(out, register(sp_checkpoint { device, cp })) };
+        unsafe { put(out, handle(t)) };
         Ok(())
     })
 }
@@ -148,18 +160,18 @@ pub unsafe extern "C" fn sp_checkpoint_take(
 ///
 /// # Safety
 ///
-/// `cp` must be NULL or a handle from `sp_checkpoint_take` not used concurrently.
+/// None for `cp`: any value is checked against the registry, never dereferenced.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_checkpoint_free(cp: *mut sp_checkpoint) -> sp_status {
-    ffi(|| unregister(cp, "checkpoint"))
+    ffi(|| CHECKPOINTS.remove(tok(cp), Kind::Checkpoint.name()))
 }
 
 /// Restores pool `id` to checkpoint `cp`, keeping `keep_live[0..n_keep]` live at their addresses.
 ///
 /// # Safety
 ///
-/// `cp` must be NULL or a live handle; `keep_live` NULL (with `n_keep` 0) or `n_keep` readable
-/// pointers; `delta_out` NULL or valid for a write.
+/// `cp` may be any value (checked, never dereferenced); `keep_live` NULL (with `n_keep` 0) or
+/// `n_keep` readable pointers; `delta_out` NULL or valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_checkpoint_restore(
     device: c_int,
@@ -172,40 +184,33 @@ pub unsafe extern "C" fn sp_checkpoint_restore(
     ffi(|| {
         // SAFETY: NULL or valid for a write by the caller's contract.
         unsafe { put_opt(delta_out, std::ptr::null_mut()) };
-        let c = lookup(cp, "checkpoint")?;
+        let c = checkpoint(cp)?;
         if c.device != device {
             return Err(Error::InvalidArgument(format!(
                 "checkpoint of device {} cannot restore device {device}",
                 c.device
             )));
         }
+        let d = runtime()?.device(device)?;
         // SAFETY: forwarded from the caller's contract.
-        let keep = unsafe { ptr_list(keep_live, n_keep) }?;
-        let delta = each!(runtime()?.device(device)?, a => a.restore(id.into(), &c.cp, &keep))?;
+        let keep = unsafe { ptr_list(d, keep_live, n_keep, "keep_live") }?;
+        let delta = each!(d, a => a.restore(id.into(), &c.cp, &keep))?;
         // SAFETY: NULL or valid for a write by the caller's contract.
-        unsafe { deliver(delta, delta_out) };
-        Ok(())
+        unsafe { deliver(delta, delta_out) }
     })
 }
 
-fn delta_count(d: *const sp_restore_delta, freed: bool) -> usize {
-    match lookup(d, "delta") {
-        Ok(d) if freed => d.delta.freed.len(),
-        Ok(d) => d.delta.created.len(),
-        Err(_) => 0,
-    }
-}
-
-/// Allocations a restore freed (0 for an invalid handle).
+/// Allocations a restore freed (0 for an invalid handle, with the reason in the last error).
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_delta_freed_count(d: *const sp_restore_delta) -> usize {
-    std::panic::catch_unwind(|| delta_count(d, true)).unwrap_or(0)
+    ffi_value(0, || Ok(delta(d)?.freed.len()))
 }
 
-/// Allocations a restore re-created (0 for an invalid handle).
+/// Allocations a restore re-created (0 for an invalid handle, with the reason in the last
+/// error).
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_delta_created_count(d: *const sp_restore_delta) -> usize {
-    std::panic::catch_unwind(|| delta_count(d, false)).unwrap_or(0)
+    ffi_value(0, || Ok(delta(d)?.created.len()))
 }
 
 /// Writes entry `i` of a delta's freed (or created) list.
@@ -220,14 +225,10 @@ unsafe fn delta_entry(
     ptr: *mut *mut c_void,
     size: *mut usize,
 ) -> Result<()> {
-    let d = lookup(d, "delta")?;
+    let d = delta(d)?;
     let ptr = required(ptr, "ptr")?;
     let size = required(size, "size")?;
-    let list = if freed {
-        &d.delta.freed
-    } else {
-        &d.delta.created
-    };
+    let list = if freed { &d.freed } else { &d.created };
     let &(p, s) = list
         .get(i)
         .ok_or_else(|| Error::InvalidArgument(format!("index {i} of {} entries", list.len())))?;
@@ -275,10 +276,10 @@ pub unsafe extern "C" fn sp_delta_created(
 ///
 /// # Safety
 ///
-/// `d` must be NULL or a live handle not used concurrently.
+/// None for `d`: any value is checked against the registry, never dereferenced.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_delta_free(d: *mut sp_restore_delta) -> sp_status {
-    ffi(|| unregister(d, "delta"))
+    ffi(|| DELTAS.remove(tok(d), Kind::Delta.name()))
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -301,16 +302,12 @@ pub unsafe extern "C" fn sp_variant_group_create(
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, std::ptr::null_mut()) };
         let group = each!(runtime()?.device(device)?, a => a.variant_group(id.into(), count))?;
+        let t = GROUPS.insert(GroupObj {
+            device,
+            group: Mutex::new(group),
+        })?;
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
-        unsafe {
-            put(
-                out,
-                register(sp_variant_group {
-                    device,
-                    group: Mutex::new(group),
-                }),
-            );
-        }
+        unsafe { put(out, handle(t)) };
         Ok(())
     })
 }
@@ -320,7 +317,7 @@ pub unsafe extern "C" fn sp_variant_group_create(
 ///
 /// # Safety
 ///
-/// `g` must be NULL or a live handle; `delta_out` NULL or valid for a write.
+/// `g` may be any value (checked, never dereferenced); `delta_out` NULL or valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_variant_begin(
     g: *const sp_variant_group,
@@ -330,12 +327,11 @@ pub unsafe extern "C" fn sp_variant_begin(
     ffi(|| {
         // SAFETY: NULL or valid for a write by the caller's contract.
         unsafe { put_opt(delta_out, std::ptr::null_mut()) };
-        let g = lookup(g, "variant group")?;
+        let g = group(g)?;
         let mut group = g.group.lock().unwrap_or_else(PoisonError::into_inner);
         let delta = each!(runtime()?.device(g.device)?, a => a.begin_variant(&mut group, k))?;
         // SAFETY: NULL or valid for a write by the caller's contract.
-        unsafe { deliver(delta, delta_out) };
-        Ok(())
+        unsafe { deliver(delta, delta_out) }
     })
 }
 
@@ -343,11 +339,11 @@ pub unsafe extern "C" fn sp_variant_begin(
 ///
 /// # Safety
 ///
-/// `g` must be NULL or a live handle.
+/// None for `g`: any value is checked against the registry, never dereferenced.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_variant_end(g: *const sp_variant_group) -> sp_status {
     ffi(|| {
-        let g = lookup(g, "variant group")?;
+        let g = group(g)?;
         let mut group = g.group.lock().unwrap_or_else(PoisonError::into_inner);
         each!(runtime()?.device(g.device)?, a => a.end_variant(&mut group))?;
         Ok(())
@@ -358,10 +354,10 @@ pub unsafe extern "C" fn sp_variant_end(g: *const sp_variant_group) -> sp_status
 ///
 /// # Safety
 ///
-/// `g` must be NULL or a live handle not used concurrently.
+/// None for `g`: any value is checked against the registry, never dereferenced.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_variant_group_free(g: *mut sp_variant_group) -> sp_status {
-    ffi(|| unregister(g, "variant group"))
+    ffi(|| GROUPS.remove(tok(g), Kind::VariantGroup.name()))
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -458,9 +454,10 @@ pub unsafe extern "C" fn sp_pool_verify_live(
     n: usize,
 ) -> sp_status {
     ffi(|| {
+        let d = runtime()?.device(device)?;
         // SAFETY: forwarded from the caller's contract.
-        let list = unsafe { ptr_list(ptrs, n) }?;
-        each!(runtime()?.device(device)?, a => a.verify_live(id.into(), &list))?;
+        let list = unsafe { ptr_list(d, ptrs, n, "ptrs") }?;
+        each!(d, a => a.verify_live(id.into(), &list))?;
         Ok(())
     })
 }

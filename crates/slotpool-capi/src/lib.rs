@@ -8,19 +8,21 @@
 //! * [`runtime`]: the process-wide state (backend, one allocator per device, created lazily),
 //!   initialisation from `sp_init` or from `SLOTPOOL_BACKEND` / `SLOTPOOL_CONF`, and shutdown.
 //! * [`types`]: `#[repr(C)]` mirrors of the header's structs, layout pinned by const asserts.
-//! * [`snapshot`]: the PyTorch-shaped JSON snapshot; [`settings`]: the configuration in effect,
-//!   as text, that it reports.
+//! * [`snapshot`]: the PyTorch-shaped JSON snapshot, with the configuration in effect.
 //! * [`ipc`]: CUDA IPC of vmm memory (pages exported as file descriptors, and mapped).
+//! * [`sim`]: the bytes of simulated device memory (`sim_bytes:1`), for tests.
+//! * `handle`: the per-kind registries behind checkpoint, delta and variant-group handles.
 //!
 //! `docs/c-api.md` is the user guide; `slotpool.h` documents every function.
 
 pub mod api;
 pub mod error;
 pub mod graph;
+mod handle;
 pub mod ipc;
 mod out;
 pub mod runtime;
-pub mod settings;
+pub mod sim;
 pub mod snapshot;
 pub mod types;
 
@@ -28,6 +30,7 @@ pub use api::*;
 pub use error::{Error, sp_status, sp_status_name};
 pub use graph::*;
 pub use ipc::*;
+pub use sim::*;
 pub use types::{
     sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind, sp_stat, sp_stat_array,
     sp_trace_action, sp_trace_event,

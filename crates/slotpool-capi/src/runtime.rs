@@ -52,6 +52,11 @@ impl SimDev {
     pub fn page_peers(&self, ptr: DevicePtr) -> Option<Vec<i32>> {
         self.inner.page_peers(ptr.wrapping_sub(self.offset))
     }
+
+    /// The address in [`SimDev::inner`]'s own space of one of this device's addresses.
+    pub fn local(&self, ptr: DevicePtr) -> DevicePtr {
+        ptr.wrapping_sub(self.offset)
+    }
 }
 
 impl Device for SimDev {
@@ -182,6 +187,9 @@ pub struct SimOptions {
     pub devices: usize,
     /// Streams complete the moment work is queued (a C caller cannot complete them otherwise).
     pub auto_complete: bool,
+    /// Device memory holds host-backed bytes (`sim_bytes:1`), which `sp_sim_write` and friends
+    /// access; else only its accounts are kept.
+    pub bytes: bool,
 }
 
 impl Default for SimOptions {
@@ -190,12 +198,27 @@ impl Default for SimOptions {
             memory: SimConfig::default().total_memory,
             devices: 1,
             auto_complete: true,
+            bytes: false,
         }
     }
 }
 
 /// The keys of [`SimOptions`].
-pub const SIM_KEYS: &[&str] = &["sim_memory_mb", "sim_devices", "sim_auto_complete"];
+pub const SIM_KEYS: &[&str] = &[
+    "sim_memory_mb",
+    "sim_devices",
+    "sim_auto_complete",
+    "sim_bytes",
+];
+
+/// A `0|1` configuration value.
+fn flag(value: &str) -> Option<bool> {
+    match value {
+        "1" | "true" | "True" => Some(true),
+        "0" | "false" | "False" => Some(false),
+        _ => None,
+    }
+}
 
 impl SimOptions {
     fn set(&mut self, key: &str, value: &str) -> Result<()> {
@@ -218,12 +241,9 @@ impl SimOptions {
                 self.devices = n;
             }
             "sim_auto_complete" => {
-                self.auto_complete = match value {
-                    "1" | "true" | "True" => true,
-                    "0" | "false" | "False" => false,
-                    _ => return Err(bad("expected 0 or 1")),
-                }
+                self.auto_complete = flag(value).ok_or_else(|| bad("expected 0 or 1"))?;
             }
+            "sim_bytes" => self.bytes = flag(value).ok_or_else(|| bad("expected 0 or 1"))?,
             _ => {
                 return Err(Error::Config(format!(
                     "invalid slotpool configuration: unknown key {key:?}; known sim keys: {}",
@@ -473,7 +493,11 @@ impl Runtime {
             BackendKind::Sim => {
                 let dev = SimDevice::new(SimConfig {
                     total_memory: self.sim.memory,
-                    backing: Backing::Accounting,
+                    backing: if self.sim.bytes {
+                        Backing::Bytes
+                    } else {
+                        Backing::Accounting
+                    },
                     auto_complete: self.sim.auto_complete,
                     page_size: (self.config.vmm_page_size)
                         .unwrap_or(SimConfig::default().page_size),
@@ -777,6 +801,12 @@ mod tests {
         assert!(parse_conf("", "sim_devices:65").is_err());
         assert!(parse_conf("", "sim_memory_mb:x").is_err());
         assert!(parse_conf("", "sim_auto_complete:2").is_err());
+        assert!(parse_conf("", "sim_bytes:yes").is_err());
+        assert!(parse_conf("", "sim_bytes:1").unwrap().1.bytes);
+        assert!(
+            !parse_conf("", "").unwrap().1.bytes,
+            "accounts only by default"
+        );
     }
 
     #[test]

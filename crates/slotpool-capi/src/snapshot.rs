@@ -92,7 +92,8 @@ pub fn snapshot_json(rt: &Runtime, device: Option<usize>) -> String {
         "device_traces": traces,
         "allocator_settings": {
             "backend": rt.kind.name(),
-            "conf": crate::settings::effective_conf(&rt.config),
+            // Every setting, as `key:value,...` (`Config`'s Display): parses back to the same.
+            "conf": rt.config.to_string(),
         },
     })
     .to_string()

@@ -136,6 +136,47 @@ fn smoke_c_against_the_static_library() {
     assert!(out.contains("checks passed"), "{out}");
 }
 
+/// `tests/c/bytes.c`: every live allocation keeps its bytes across frees of others, reuse,
+/// empty_cache, restores, variant groups and arenas, on the sim with host-backed bytes, in both
+/// growth modes.
+#[test]
+fn live_allocations_keep_their_bytes() {
+    if !have_tool("cc") {
+        return;
+    }
+    let lib = lib_dir();
+    let exe = out_dir().join("bytes_c");
+    run_ok(
+        Command::new("cc")
+            .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-o"])
+            .arg(&exe)
+            .arg("-I")
+            .arg(repo_root().join("include"))
+            .arg(repo_root().join("tests/c/bytes.c"))
+            .arg("-L")
+            .arg(&lib)
+            .arg("-lslotpool"),
+        "cc bytes.c",
+    );
+    for growth in [
+        "growth:vmm,vmm_page_mb:2",
+        "growth:vmm,vmm_page_mb:16",
+        "growth:classic",
+    ] {
+        let out = run_ok(
+            Command::new(&exe)
+                .env(
+                    "SLOTPOOL_CONF",
+                    format!("sim_bytes:1,sim_memory_mb:1024,{growth}"),
+                )
+                .env("LD_LIBRARY_PATH", &lib)
+                .env_remove("SLOTPOOL_LOG"),
+            &format!("bytes ({growth})"),
+        );
+        assert!(out.contains("checks passed"), "{growth}: {out}");
+    }
+}
+
 /// The host-cost harnesses of `benches/c/` (run on the H200 by `benches/gpu/run.sh host_abi`)
 /// build warning-free and run to their JSON line on the sim backend, with counts small enough
 /// for a debug build: a harness broken here would otherwise show only on a GPU machine.

@@ -4,8 +4,9 @@
 //! 512 B, the top of the range shrinking when its last block falls free. Two ways to count
 //! reserved memory:
 //!
-//! - [`ModelMode::Vmm`]: 2 MiB pages are mapped only while a live block touches them (the lower
-//!   bound of `benches/traces/README.md`: physical memory follows live bytes; remapping is free).
+//! - [`ModelMode::Vmm`]: 2 MiB pages are mapped only while a live block touches them (physical
+//!   memory follows live bytes; remapping is free: the lower bound of any allocator that maps
+//!   pages under live bytes).
 //! - [`ModelMode::Classic`]: the high-water mark of the used address range, rounded up to 2 MiB
 //!   (nothing is ever given back).
 

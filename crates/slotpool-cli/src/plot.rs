@@ -1,10 +1,13 @@
-//! A hand-written SVG of a replay: allocated and reserved GB over operations.
+//! A hand-written SVG of a replay: slotpool's allocated and reserved GB over operations, beside
+//! PyTorch's reserved GB from the trace's segment events, with the trace's capture and variant
+//! phases marked.
 
 use std::fmt::Write as _;
 use std::io;
 use std::path::Path;
 
 use crate::replay::ReplayReport;
+use crate::trace_timeline::{PhaseKind, TraceTimeline};
 
 const WIDTH: f64 = 960.0;
 const HEIGHT: f64 = 540.0;
@@ -23,12 +26,25 @@ pub fn write_svg(report: &ReplayReport, path: impl AsRef<Path>) -> io::Result<()
     std::fs::rename(&tmp, path)
 }
 
-/// The SVG document: two polylines (`id="allocated"`, `id="reserved"`), axes with labels, and a
-/// title with the trace name, mode and ratio.
+const TORCH_COLOUR: &str = "#2ca02c";
+
+/// The SVG document: polylines of slotpool's allocated and reserved bytes (`id="allocated"`,
+/// `id="reserved"`) and of PyTorch's reserved bytes (`id="torch_reserved"`, when the trace has
+/// segment events), shaded capture phases (`class="capture"`), variant starts
+/// (`class="variant"`), axes with labels, a legend and a title with the trace name, mode and
+/// ratios.
 pub fn render_svg(report: &ReplayReport) -> String {
     let pts = &report.timeline;
+    let side = &report.trace_timeline;
     let x_max = pts.last().map_or(1, |p| p.0.max(1)) as f64;
-    let y_peak = pts.iter().map(|p| p.1.max(p.2)).max().unwrap_or(0) as f64 / GB;
+    let torch_peak = side.torch_reserved.iter().map(|p| p.1).max().unwrap_or(0);
+    let y_peak = pts
+        .iter()
+        .map(|p| p.1.max(p.2))
+        .max()
+        .unwrap_or(0)
+        .max(torch_peak) as f64
+        / GB;
     let y_step = nice_step(y_peak.max(1e-9) / 5.0);
     let y_max = ((y_peak / y_step).ceil() * y_step).max(y_step);
     let x_step = nice_step(x_max / 6.0).max(1.0);
@@ -52,7 +68,7 @@ pub fn render_svg(report: &ReplayReport) -> String {
     };
     let _ = writeln!(
         s,
-        r#"<text x="{}" y="28" text-anchor="middle" font-size="16">{}{}: peak reserved {:.2} GB / allocated {:.2} GB = {:.3}</text>"#,
+        r#"<text x="{}" y="24" text-anchor="middle" font-size="16">{}{}: peak reserved {:.2} GB / allocated {:.2} GB = {:.3}</text>"#,
         WIDTH / 2.0,
         escape(&report.trace),
         escape(&mode),
@@ -60,6 +76,16 @@ pub fn render_svg(report: &ReplayReport) -> String {
         report.peak_allocated as f64 / GB,
         report.ratio
     );
+    if report.torch_peak_reserved > 0 {
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="44" text-anchor="middle">PyTorch in the trace: peak reserved {:.2} GB = {:.3} of its allocated</text>"#,
+            WIDTH / 2.0,
+            report.torch_peak_reserved as f64 / GB,
+            report.torch_ratio
+        );
+    }
+    phases(&mut s, side, &sx, TOP, plot_h);
 
     // Grid and y labels.
     let mut y = 0.0;
@@ -103,40 +129,103 @@ pub fn render_svg(report: &ReplayReport) -> String {
         TOP + plot_h / 2.0
     );
 
-    // The two series.
-    for (id, colour, pick) in [
-        ("reserved", "#d62728", 2usize),
-        ("allocated", "#1f77b4", 1usize),
-    ] {
+    // The series.
+    let polyline = |s: &mut String, id: &str, colour: &str, dash: &str, points: &[(u64, u64)]| {
         let _ = write!(
             s,
-            r#"<polyline id="{id}" fill="none" stroke="{colour}" stroke-width="1.5" points=""#
+            r#"<polyline id="{id}" fill="none" stroke="{colour}" stroke-width="1.5"{dash} points=""#
         );
-        for p in pts {
-            let v = if pick == 1 { p.1 } else { p.2 };
-            let _ = write!(s, "{:.1},{:.1} ", sx(p.0 as f64), sy(v as f64 / GB));
+        for &(x, y) in points {
+            let _ = write!(s, "{:.1},{:.1} ", sx(x as f64), sy(y as f64 / GB));
         }
         let _ = writeln!(s, r#""/>"#);
+    };
+    if !side.torch_reserved.is_empty() {
+        let dash = r#" stroke-dasharray="6 3""#;
+        polyline(
+            &mut s,
+            "torch_reserved",
+            TORCH_COLOUR,
+            dash,
+            &side.torch_reserved,
+        );
     }
+    let reserved: Vec<(u64, u64)> = pts.iter().map(|p| (p.0, p.2)).collect();
+    let allocated: Vec<(u64, u64)> = pts.iter().map(|p| (p.0, p.1)).collect();
+    polyline(&mut s, "reserved", "#d62728", "", &reserved);
+    polyline(&mut s, "allocated", "#1f77b4", "", &allocated);
+
     // Legend.
+    let mut entries = vec![
+        ("#d62728", "", "slotpool reserved".to_string()),
+        ("#1f77b4", "", "allocated".to_string()),
+    ];
+    if !side.torch_reserved.is_empty() {
+        entries.push((TORCH_COLOUR, "6 3", torch_label(side)));
+    } else {
+        entries.push((
+            "none",
+            "",
+            "PyTorch reserved: the trace has no segment events".into(),
+        ));
+    }
+    if side.phases.iter().any(|p| p.kind == PhaseKind::Capture) {
+        entries.push(("#ff7f0e", "", "capture phases (shaded)".into()));
+    }
+    if side.phases.iter().any(|p| p.kind == PhaseKind::Variant) {
+        let note =
+            "variant markers ignored: every capture stays in the default pool (see --variants)";
+        entries.push(("none", "", note.into()));
+    }
     let lx = LEFT + 16.0;
-    let _ = writeln!(
-        s,
-        r##"<line x1="{lx}" y1="{}" x2="{}" y2="{}" stroke="#d62728" stroke-width="2"/><text x="{}" y="{}">reserved</text>
-<line x1="{lx}" y1="{}" x2="{}" y2="{}" stroke="#1f77b4" stroke-width="2"/><text x="{}" y="{}">allocated</text>"##,
-        TOP + 12.0,
-        lx + 24.0,
-        TOP + 12.0,
-        lx + 30.0,
-        TOP + 16.0,
-        TOP + 30.0,
-        lx + 24.0,
-        TOP + 30.0,
-        lx + 30.0,
-        TOP + 34.0
-    );
+    for (i, (colour, dash, label)) in entries.iter().enumerate() {
+        let y = TOP + 12.0 + 18.0 * i as f64;
+        let _ = writeln!(
+            s,
+            r#"<line x1="{lx}" y1="{y}" x2="{}" y2="{y}" stroke="{colour}" stroke-width="2" stroke-dasharray="{dash}"/><text x="{}" y="{}">{}</text>"#,
+            lx + 24.0,
+            lx + 30.0,
+            y + 4.0,
+            escape(label)
+        );
+    }
     s.push_str("</svg>\n");
     s
+}
+
+/// What PyTorch's curve is, said plainly.
+fn torch_label(side: &TraceTimeline) -> String {
+    if side.torch_releases {
+        "PyTorch reserved (the trace's segment events)".into()
+    } else {
+        "PyTorch reserved (the trace's segment allocations; it records no releases)".into()
+    }
+}
+
+/// Shaded capture phases and a labelled line at each variant's start.
+fn phases(s: &mut String, side: &TraceTimeline, sx: &dyn Fn(f64) -> f64, top: f64, h: f64) {
+    for p in &side.phases {
+        let (x0, x1) = (sx(p.start as f64), sx(p.end as f64));
+        match p.kind {
+            PhaseKind::Capture => {
+                let _ = writeln!(
+                    s,
+                    r##"<rect class="capture" x="{x0:.1}" y="{top:.1}" width="{:.1}" height="{h:.1}" fill="#ff7f0e" fill-opacity="0.15"><title>capture</title></rect>"##,
+                    (x1 - x0).max(1.0)
+                );
+            }
+            PhaseKind::Variant => {
+                let _ = writeln!(
+                    s,
+                    r##"<line class="variant" x1="{x0:.1}" y1="{top:.1}" x2="{x0:.1}" y2="{:.1}" stroke="#9467bd" stroke-dasharray="2 2"/><text x="{:.1}" y="{:.1}" fill="#9467bd">variant {}</text>"##,
+                    top + h,
+                    x0 + 3.0,
+                    top + h - 6.0,
+                    p.variant
+                );
+            }
+        }
+    }
 }
 
 /// 1, 2 or 5 times a power of ten, at least `raw`.

@@ -19,6 +19,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 use crate::trace::{Action, Location, Trace, TraceFormat};
+use crate::trace_timeline::{TraceTimeline, TraceTimelineRecorder};
 
 /// An allocator driven by [`replay`].
 pub trait ReplayTarget {
@@ -144,6 +145,9 @@ pub struct ReplayReport {
     /// points; each is the maximum over a bucket of consecutive operations, so peaks show.
     /// Left out of [`ReplayReport::to_json`].
     pub timeline: Vec<(u64, u64, u64)>,
+    /// PyTorch's reserved bytes and the capture and variant phases, on the same operation axis.
+    /// Left out of [`ReplayReport::to_json`].
+    pub trace_timeline: TraceTimeline,
 }
 
 impl ReplayReport {
@@ -162,6 +166,7 @@ impl ReplayReport {
             Ok(mut value) => {
                 if !timeline && let Some(obj) = value.as_object_mut() {
                     obj.remove("timeline");
+                    obj.remove("trace_timeline");
                 }
                 value.to_string()
             }
@@ -208,14 +213,14 @@ fn torch_round(size: u64) -> u64 {
 }
 
 /// Downsampling of (op, allocated, reserved) samples into at most `points` bucket maxima.
-struct Timeline {
+pub(crate) struct Timeline {
     bucket: u64,
     current: Option<(u64, u64, u64)>,
     points: Vec<(u64, u64, u64)>,
 }
 
 impl Timeline {
-    fn new(total_ops: u64, points: usize) -> Self {
+    pub(crate) fn new(total_ops: u64, points: usize) -> Self {
         let points = points.max(1) as u64;
         Timeline {
             bucket: total_ops.div_ceil(points).max(1),
@@ -224,7 +229,7 @@ impl Timeline {
         }
     }
 
-    fn record(&mut self, op: u64, allocated: u64, reserved: u64) {
+    pub(crate) fn record(&mut self, op: u64, allocated: u64, reserved: u64) {
         let start = op - op % self.bucket;
         match &mut self.current {
             Some((s, a, r)) if *s == start => {
@@ -240,7 +245,7 @@ impl Timeline {
         }
     }
 
-    fn finish(mut self) -> Vec<(u64, u64, u64)> {
+    pub(crate) fn finish(mut self) -> Vec<(u64, u64, u64)> {
         if let Some(p) = self.current.take() {
             self.points.push(p);
         }
@@ -286,6 +291,7 @@ pub fn replay<T: ReplayTarget + ?Sized>(
     let mut alloc_ns: Vec<u32> = Vec::with_capacity(n_alloc as usize);
     let mut free_ns: Vec<u32> = Vec::with_capacity(n_free as usize);
     let mut timeline = Timeline::new(total_ops, opts.timeline_points);
+    let mut trace_timeline = TraceTimelineRecorder::new(total_ops, opts.timeline_points);
 
     let (mut allocs, mut frees, mut skipped_frees, mut duplicate_allocs) = (0u64, 0u64, 0u64, 0u64);
     let (mut requested, mut peak_requested) = (0u64, 0u64);
@@ -351,6 +357,7 @@ pub fn replay<T: ReplayTarget + ?Sized>(
             requested -= block.size;
             torch_alloc -= torch_round(block.size);
         } else {
+            trace_timeline.event(op, e);
             continue;
         }
 
@@ -358,6 +365,7 @@ pub fn replay<T: ReplayTarget + ?Sized>(
         peak_allocated = peak_allocated.max(allocated);
         peak_reserved = peak_reserved.max(reserved);
         timeline.record(op, allocated, reserved);
+        trace_timeline.sample(op);
         op += 1;
         if op.is_multiple_of(PROGRESS_EVERY)
             && let Some(progress) = opts.progress
@@ -407,6 +415,7 @@ pub fn replay<T: ReplayTarget + ?Sized>(
         ns_per_free_p99: quantile(&mut free_ns, 0.99),
         replay_ms,
         timeline: timeline.finish(),
+        trace_timeline: trace_timeline.finish(op),
     })
 }
 

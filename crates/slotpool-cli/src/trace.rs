@@ -7,7 +7,8 @@
 //!   per event. An `oom` line may leave `addr` empty. This is the format of `benches/traces/`.
 //! - **PyTorch snapshot pickles** written by `torch.cuda.memory._dump_snapshot()`: a pickled dict
 //!   whose `device_traces` holds one list of trace entries per device (optionally gzip-compressed
-//!   too). One device is read per trace (see [`ReadOptions::device`]).
+//!   too). One device is read per trace (see [`ReadOptions::device`]); the reader is in
+//!   [`crate::snapshot`].
 //!
 //! Detection: gzip magic `1f 8b` first (then the decompressed content is detected again), pickle
 //! protocol opcode `0x80`, else a text line starting with `action`. Every failure is a
@@ -19,7 +20,6 @@ use std::io::{self, BufRead, BufReader, Read};
 use std::path::Path;
 use std::str::FromStr;
 
-use serde_pickle::{DeOptions, HashableValue, Value};
 use thiserror::Error;
 
 /// What happened in one trace event (PyTorch's trace entry `action`).
@@ -44,7 +44,8 @@ pub enum Action {
     Oom,
     /// A snapshot was taken; `size` is the total active bytes.
     Snapshot,
-    /// slotpool's marker (benches/gpu/record_graph_variants.py): variant `size` begins.
+    /// slotpool's marker (written by benches/gpu/record_graph_variants.py): variant `size`
+    /// begins.
     VariantBegin,
     /// slotpool's marker: a CUDA-graph capture begins (allocations go to the capture pool).
     CaptureBegin,
@@ -87,6 +88,11 @@ impl Action {
         }
     }
 
+    /// Every action's name, comma-separated, for messages.
+    pub fn names() -> String {
+        Action::ALL.map(Action::name).join(", ")
+    }
+
     /// Parses a trace action name; `None` when unknown.
     pub fn from_name(name: &str) -> Option<Action> {
         Action::ALL.into_iter().find(|a| a.name() == name)
@@ -108,7 +114,8 @@ impl fmt::Display for Action {
 impl FromStr for Action {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Action::from_name(s).ok_or_else(|| format!("unknown action `{s}`"))
+        Action::from_name(s)
+            .ok_or_else(|| format!("unknown action `{s}` (known: {})", Action::names()))
     }
 }
 
@@ -258,7 +265,7 @@ pub enum TraceError {
         expected: usize,
         found: usize,
     },
-    #[error("{file}: {at}: unknown action `{action}`")]
+    #[error("{file}: {at}: unknown action `{action}` (known: {})", Action::names())]
     UnknownAction {
         file: String,
         at: Location,
@@ -277,6 +284,13 @@ pub enum TraceError {
         at: Location,
         message: String,
     },
+    #[error("{file}: device {device} requested, but the trace has {}", device_range(*.devices))]
+    NoSuchDevice {
+        file: String,
+        device: usize,
+        /// How many devices the trace has (a CSV trace: 1).
+        devices: usize,
+    },
     #[error("{file}: not a PyTorch memory snapshot: {message}")]
     BadSnapshot { file: String, message: String },
 }
@@ -285,7 +299,7 @@ pub enum TraceError {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ReadOptions {
     /// Which device of a snapshot pickle to read. `None`: the first device with any events (device
-    /// 0 when none has). Ignored for CSV traces, which hold one device.
+    /// 0 when none has). A CSV trace holds one device, 0; asking for another is an error.
     pub device: Option<usize>,
 }
 
@@ -331,11 +345,24 @@ fn peek<R: Read>(mut reader: R, source: &str, gzip: bool) -> Result<(Vec<u8>, R)
     Ok((head, reader))
 }
 
+fn device_range(devices: usize) -> String {
+    match devices {
+        0 => "no devices".to_string(),
+        1 => "one device, 0".to_string(),
+        n => format!("{n} devices, 0 to {}", n - 1),
+    }
+}
+
 fn at_prefix(at: &Option<Location>) -> String {
     at.map(|at| format!("{at}: ")).unwrap_or_default()
 }
 
-fn io_error(file: &str, gzip: bool, at: Option<Location>, source: io::Error) -> TraceError {
+pub(crate) fn io_error(
+    file: &str,
+    gzip: bool,
+    at: Option<Location>,
+    source: io::Error,
+) -> TraceError {
     if gzip {
         TraceError::Gzip {
             file: file.to_string(),
@@ -366,10 +393,18 @@ fn parse_plain<R: Read>(
         first.starts_with(b"action")
     };
     let reader = io::Cursor::new(head.clone()).chain(rest);
+    let reader = BufReader::with_capacity(1 << 16, reader);
     if is_pickle {
-        read_pickle(reader, source, opts, gzip)
+        crate::snapshot::read_snapshot(reader, source, opts, gzip)
     } else if is_csv {
-        read_csv(BufReader::with_capacity(1 << 16, reader), source, gzip)
+        if let Some(d) = opts.device.filter(|&d| d != 0) {
+            return Err(TraceError::NoSuchDevice {
+                file: source.to_string(),
+                device: d,
+                devices: 1,
+            });
+        }
+        read_csv(reader, source, gzip)
     } else {
         Err(TraceError::UnknownFormat {
             file: source.to_string(),
@@ -515,204 +550,4 @@ fn parse_u64(s: &[u8]) -> Option<u64> {
         v = v.checked_mul(10)?.checked_add(u64::from(d))?;
     }
     Some(v)
-}
-
-// ---------------------------------------------------------------------------------------------
-// PyTorch snapshot pickles
-
-fn read_pickle<R: Read>(
-    mut reader: R,
-    source: &str,
-    opts: ReadOptions,
-    gzip: bool,
-) -> Result<Trace, TraceError> {
-    let file = || source.to_string();
-    let bad = |message: String| TraceError::BadSnapshot {
-        file: file(),
-        message,
-    };
-    // Read everything first so that a gzip error is reported as such, not as a short pickle.
-    let mut bytes = Vec::new();
-    reader
-        .read_to_end(&mut bytes)
-        .map_err(|e| io_error(source, gzip, None, e))?;
-    let options = DeOptions::new()
-        .replace_unresolved_globals()
-        .replace_recursive_structures();
-    let value = serde_pickle::value_from_slice(&bytes, options)
-        .map_err(|e| bad(format!("cannot unpickle: {e}")))?;
-    drop(bytes);
-    let Value::Dict(top) = value else {
-        return Err(bad(format!(
-            "the pickle holds {} rather than the dict of torch.cuda.memory._snapshot()",
-            type_name(&value)
-        )));
-    };
-    let traces = top.get(&key("device_traces")).ok_or_else(|| {
-        bad("no `device_traces` key (was it recorded with _record_memory_history?)".into())
-    })?;
-    let devices = match traces {
-        Value::List(l) | Value::Tuple(l) => l,
-        other => {
-            return Err(bad(format!(
-                "`device_traces` is {}, not a list",
-                type_name(other)
-            )));
-        }
-    };
-    let device_list = |d: usize| -> Result<&Vec<Value>, TraceError> {
-        match &devices[d] {
-            Value::List(l) | Value::Tuple(l) => Ok(l),
-            other => Err(bad(format!(
-                "`device_traces[{d}]` is {}, not a list",
-                type_name(other)
-            ))),
-        }
-    };
-    let device = match opts.device {
-        Some(d) if d < devices.len() => d,
-        Some(d) => {
-            return Err(bad(format!(
-                "device {d} requested but `device_traces` has {} device(s)",
-                devices.len()
-            )));
-        }
-        None => {
-            let mut chosen = 0;
-            for d in 0..devices.len() {
-                if !device_list(d)?.is_empty() {
-                    chosen = d;
-                    break;
-                }
-            }
-            chosen
-        }
-    };
-    let entries: &[Value] = if devices.is_empty() {
-        &[]
-    } else {
-        device_list(device)?
-    };
-
-    let (k_action, k_addr, k_size, k_stream) =
-        (key("action"), key("addr"), key("size"), key("stream"));
-    let mut events = Vec::with_capacity(entries.len());
-    for (index, entry) in entries.iter().enumerate() {
-        let at = Location::Entry { device, index };
-        let Value::Dict(entry) = entry else {
-            return Err(TraceError::BadEntry {
-                file: file(),
-                at,
-                message: format!("entry is {}, not a dict", type_name(entry)),
-            });
-        };
-        let action = match entry.get(&k_action) {
-            Some(Value::String(s)) => {
-                Action::from_name(s).ok_or_else(|| TraceError::UnknownAction {
-                    file: file(),
-                    at,
-                    action: s.clone(),
-                })?
-            }
-            Some(other) => {
-                return Err(TraceError::BadEntry {
-                    file: file(),
-                    at,
-                    message: format!("`action` is {}, not a string", type_name(other)),
-                });
-            }
-            None => {
-                return Err(TraceError::BadEntry {
-                    file: file(),
-                    at,
-                    message: "no `action` key".into(),
-                });
-            }
-        };
-        let number = |field: &'static str,
-                      k: &HashableValue,
-                      default: Option<u64>|
-         -> Result<u64, TraceError> {
-            match entry.get(k) {
-                None | Some(Value::None) if default.is_some() => Ok(default.unwrap_or(0)),
-                None => Err(TraceError::BadEntry {
-                    file: file(),
-                    at,
-                    message: format!("no `{field}` key"),
-                }),
-                Some(v) => value_u64(v).ok_or_else(|| TraceError::BadNumber {
-                    file: file(),
-                    at,
-                    field,
-                    value: value_repr(v),
-                }),
-            }
-        };
-        // `oom` entries have no address (they carry `device_free` instead); `snapshot` ones have 0.
-        let addr_default = matches!(action, Action::Oom | Action::Snapshot).then_some(0);
-        let addr = number("addr", &k_addr, addr_default)?;
-        let size = number("size", &k_size, None)?;
-        let stream = match entry.get(&k_stream) {
-            None | Some(Value::None) => 0,
-            // A `cudaStream_t` is a pointer: keep its bits even if pickled as a negative int.
-            Some(Value::I64(i)) => *i as u64,
-            Some(v) => value_u64(v).ok_or_else(|| TraceError::BadNumber {
-                file: file(),
-                at,
-                field: "stream",
-                value: value_repr(v),
-            })?,
-        };
-        events.push(TraceEvent {
-            action,
-            addr,
-            size,
-            stream,
-            line: index,
-        });
-    }
-    Ok(Trace {
-        events,
-        source: source.to_string(),
-        format: TraceFormat::Pickle,
-        device,
-    })
-}
-
-fn key(name: &str) -> HashableValue {
-    HashableValue::String(name.to_string())
-}
-
-fn value_u64(v: &Value) -> Option<u64> {
-    match v {
-        Value::I64(i) => u64::try_from(*i).ok(),
-        Value::Int(big) => u64::try_from(big).ok(),
-        Value::Bool(b) => Some(u64::from(*b)),
-        _ => None,
-    }
-}
-
-fn value_repr(v: &Value) -> String {
-    match v {
-        Value::I64(i) => i.to_string(),
-        Value::Int(big) => big.to_string(),
-        Value::F64(f) => f.to_string(),
-        Value::String(s) => format!("{s:?}"),
-        other => type_name(other).to_string(),
-    }
-}
-
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::None => "None",
-        Value::Bool(_) => "a bool",
-        Value::I64(_) | Value::Int(_) => "an int",
-        Value::F64(_) => "a float",
-        Value::Bytes(_) => "bytes",
-        Value::String(_) => "a string",
-        Value::List(_) => "a list",
-        Value::Tuple(_) => "a tuple",
-        Value::Set(_) | Value::FrozenSet(_) => "a set",
-        Value::Dict(_) => "a dict",
-    }
 }

@@ -97,7 +97,9 @@ pub fn replay_variants_with(
             total_memory: H200_MEMORY,
             backing: Backing::Accounting,
             auto_complete: true,
-            ..SimConfig::default()
+            page_size: config
+                .vmm_page_size
+                .unwrap_or(SimConfig::default().page_size),
         })
         .map_err(|e| e.to_string())?,
     );

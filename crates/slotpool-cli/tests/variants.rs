@@ -155,3 +155,21 @@ fn recorded_seed_trace_stays_near_its_retention_floor() {
     assert!(reserved >= floor, "{r:?}");
     assert!(reserved as f64 <= 1.03 * floor as f64, "{r:?}");
 }
+
+/// `vmm_page_mb` builds the simulated device with that page size, as the plain replay does:
+/// physical memory is counted in whole pages of the configured size.
+#[test]
+fn variant_replay_uses_the_configured_page_size() {
+    use slotpool_cli::variants::replay_variants_with;
+    use slotpool_core::Config;
+    let text = synthetic();
+    let trace = parse_trace(text.as_bytes(), "synthetic.csv", ReadOptions::default()).unwrap();
+    let page = 64u64 << 20;
+    for mode in [VariantMode::Separate, VariantMode::Group] {
+        let large =
+            replay_variants_with(&trace, mode, Config::parse("vmm_page_mb:64").unwrap()).unwrap();
+        let physical = large.base_physical + large.final_growth;
+        assert_eq!(physical % page, 0, "{mode:?}: {large:?}");
+        assert_eq!((large.base_physical + large.peak_growth) % page, 0);
+    }
+}

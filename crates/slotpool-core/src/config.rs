@@ -208,6 +208,82 @@ impl Config {
     }
 }
 
+impl Config {
+    /// Every setting as `(key, value)`, the value in the syntax [`Config::apply`] takes (sizes in
+    /// MiB), or `None` where the setting is unset (no limit, the device's size, off). One entry
+    /// per key of [`Config::KEYS`] except `expandable_segments`, which is `growth` by another
+    /// name. A size that is not a whole number of MiB (possible only in a `Config` built in
+    /// code) is rendered with a fraction, which `apply` refuses.
+    pub fn settings(&self) -> Vec<(&'static str, Option<String>)> {
+        let mb = |bytes: u64| {
+            if bytes.is_multiple_of(MIB) {
+                (bytes / MIB).to_string()
+            } else {
+                (bytes as f64 / MIB as f64).to_string()
+            }
+        };
+        let p = &self.policy;
+        let divisions = &p.roundup_power2_divisions;
+        let divisions = if divisions.iter().all(|&d| d == divisions[0]) {
+            divisions[0].to_string()
+        } else {
+            let items: Vec<String> = divisions.iter().map(u64::to_string).collect();
+            format!("[{}]", items.join(","))
+        };
+        let growth = match self.growth {
+            GrowthMode::Vmm => "vmm",
+            GrowthMode::Classic => "classic",
+        };
+        vec![
+            ("growth", Some(growth.to_string())),
+            (
+                "max_split_size_mb",
+                (p.max_split_size != u64::MAX).then(|| mb(p.max_split_size)),
+            ),
+            (
+                "max_non_split_rounding_mb",
+                Some(mb(p.max_non_split_rounding)),
+            ),
+            ("large_segment_size_mb", Some(mb(p.large_segment_size))),
+            ("roundup_power2_divisions", Some(divisions)),
+            ("memory_limit_mb", self.memory_limit.map(mb)),
+            (
+                "per_process_memory_fraction",
+                self.memory_fraction.map(|f| f.to_string()),
+            ),
+            ("vmm_reservation_mb", self.vmm_reservation.map(mb)),
+            (
+                "vmm_slack_percent",
+                Some(self.vmm_slack_percent.to_string()),
+            ),
+            ("vmm_slack_base_mb", Some(mb(self.vmm_slack_base))),
+            ("vmm_page_mb", self.vmm_page_size.map(mb)),
+            (
+                "garbage_collection_threshold",
+                self.gc_threshold.map(|f| f.to_string()),
+            ),
+        ]
+    }
+}
+
+/// The settings that are set, as `key:value,...`: [`Config::parse`] of it gives the same
+/// configuration back.
+impl std::fmt::Display for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut first = true;
+        for (key, value) in self.settings() {
+            if let Some(value) = value {
+                if !first {
+                    f.write_str(",")?;
+                }
+                first = false;
+                write!(f, "{key}:{value}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 fn split_pairs(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
     let mut out = Vec::new();
     let mut depth = 0i32;
@@ -341,6 +417,36 @@ mod tests {
                 .vmm_slack_base,
             256 * MIB
         );
+    }
+
+    #[test]
+    fn renders_every_key_and_parses_back() {
+        let keys: Vec<&str> = Config::default().settings().iter().map(|s| s.0).collect();
+        let expected: Vec<&str> = Config::KEYS
+            .iter()
+            .copied()
+            .filter(|k| *k != "expandable_segments")
+            .collect();
+        assert_eq!(keys, expected);
+        for s in [
+            "",
+            "growth:classic",
+            "max_split_size_mb:64,roundup_power2_divisions:[256:1,512:2,>:4],memory_limit_mb:100",
+            "roundup_power2_divisions:4,per_process_memory_fraction:0.25,vmm_reservation_mb:4096",
+            "vmm_slack_percent:7.5,vmm_slack_base_mb:128,vmm_page_mb:16",
+            "garbage_collection_threshold:0.6,large_segment_size_mb:64,max_non_split_rounding_mb:32",
+        ] {
+            let c = Config::parse(s).unwrap();
+            let text = c.to_string();
+            assert_eq!(Config::parse(&text).unwrap(), c, "{s} rendered as {text}");
+        }
+        let c = Config::parse("memory_limit_mb:100,vmm_slack_percent:8").unwrap();
+        let settings = c.settings();
+        let get = |k: &str| settings.iter().find(|s| s.0 == k).unwrap().1.clone();
+        assert_eq!(get("memory_limit_mb").as_deref(), Some("100"));
+        assert_eq!(get("vmm_slack_percent").as_deref(), Some("8"));
+        assert_eq!(get("max_split_size_mb"), None);
+        assert_eq!(get("growth").as_deref(), Some("vmm"));
     }
 
     #[test]

@@ -83,17 +83,24 @@ pub fn pattern_byte(seed: u64, offset: u64) -> u8 {
     pattern_word(seed, offset / 8).to_le_bytes()[(offset % 8) as usize]
 }
 
-/// Fills `buf` with the pattern for `seed`, starting at pattern offset `offset`.
+/// Fills `buf` with the pattern for `seed`, starting at pattern offset `offset`: a word at a time
+/// where the offset is word-aligned, a byte at a time at the ragged ends.
 pub(crate) fn pattern_into(seed: u64, offset: u64, buf: &mut [u8]) {
-    let mut word = u64::MAX;
-    let mut bytes = [0; 8];
-    for (i, b) in buf.iter_mut().enumerate() {
-        let at = offset + i as u64;
-        if at / 8 != word {
-            word = at / 8;
-            bytes = pattern_word(seed, word).to_le_bytes();
-        }
-        *b = bytes[(at % 8) as usize];
+    let len = buf.len();
+    let head = ((8 - offset % 8) % 8).min(len as u64) as usize;
+    let (first, rest) = buf.split_at_mut(head);
+    for (i, b) in first.iter_mut().enumerate() {
+        *b = pattern_byte(seed, offset + i as u64);
+    }
+    let word0 = (offset + head as u64) / 8;
+    let mut words = rest.chunks_exact_mut(8);
+    for (i, w) in words.by_ref().enumerate() {
+        w.copy_from_slice(&pattern_word(seed, word0 + i as u64).to_le_bytes());
+    }
+    let tail = words.into_remainder();
+    let at = offset + (len - tail.len()) as u64;
+    for (i, b) in tail.iter_mut().enumerate() {
+        *b = pattern_byte(seed, at + i as u64);
     }
 }
 
@@ -105,4 +112,23 @@ fn pattern_word(seed: u64, word: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pattern_into_agrees_with_pattern_byte_at_every_alignment() {
+        for offset in 0..17u64 {
+            for len in [0usize, 1, 5, 8, 9, 23, 64] {
+                let mut buf = vec![0; len];
+                pattern_into(11, offset, &mut buf);
+                let want: Vec<u8> = (0..len as u64)
+                    .map(|i| pattern_byte(11, offset + i))
+                    .collect();
+                assert_eq!(buf, want, "offset {offset}, len {len}");
+            }
+        }
+    }
 }

@@ -223,6 +223,18 @@ impl SimDevice {
         self.lock().memory.read(ptr, len)
     }
 
+    /// Reads `buf.len()` bytes at `ptr` into `buf` (no host allocation); all of them must lie in
+    /// live segments or mapped pages, else nothing is written to `buf`.
+    pub fn read_into(&self, ptr: DevicePtr, buf: &mut [u8]) -> Result<(), SimAccessError> {
+        self.lock().memory.read_into(ptr, buf)
+    }
+
+    /// Whether all `len` bytes at `ptr` lie in live segments or mapped pages of a device that
+    /// keeps bytes: the error [`read`](Self::read) and friends would give, without the access.
+    pub fn check_access(&self, ptr: DevicePtr, len: u64) -> Result<(), SimAccessError> {
+        self.lock().memory.check_access(ptr, len)
+    }
+
     /// Writes the pattern for `seed` over `len` bytes at `ptr`: byte `ptr + i` gets
     /// [`pattern_byte`]`(seed, i)`.
     pub fn fill(&self, ptr: DevicePtr, len: u64, seed: u64) -> Result<(), SimAccessError> {

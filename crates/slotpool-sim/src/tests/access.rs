@@ -160,3 +160,32 @@ fn accounting_backing_has_no_bytes() {
     assert_eq!(d.verify(a, 1, 0), Err(SimAccessError::NoBacking));
     assert_eq!(d.host_bytes(), 0);
 }
+
+#[test]
+fn a_read_past_mapped_memory_fails_before_allocating_host_memory() {
+    let d = dev();
+    let a = d.alloc_segment(PS).unwrap();
+    d.fill(a, PS, 3).unwrap();
+    // A length no host could back: refused by the mapping check, not by an aborting allocation.
+    assert_eq!(
+        d.read(a, 1 << 50),
+        Err(SimAccessError::Unmapped { addr: a + PS })
+    );
+    assert_eq!(
+        d.check_access(a, PS + 1),
+        Err(SimAccessError::Unmapped { addr: a + PS })
+    );
+    d.check_access(a, PS).unwrap();
+    let mut buf = [0u8; 8];
+    d.read_into(a + 16, &mut buf).unwrap();
+    assert_eq!(
+        buf.to_vec(),
+        (16..24).map(|i| pattern_byte(3, i)).collect::<Vec<_>>()
+    );
+    let mut big = vec![0u8; 2 * PS as usize];
+    assert!(d.read_into(a, &mut big).is_err());
+    assert_eq!(
+        accounting(PS).check_access(a, 1),
+        Err(SimAccessError::NoBacking)
+    );
+}
