@@ -169,7 +169,7 @@ fn live_allocations_keep_their_bytes() {
                     "SLOTPOOL_CONF",
                     format!("sim_bytes:1,sim_memory_mb:1024,{growth}"),
                 )
-                .env("LD_LIBRARY_PATH", &lib)
+                .env("LD_LIBRARY_PATH", soname_dir())
                 .env_remove("SLOTPOOL_LOG"),
             &format!("bytes ({growth})"),
         );
