@@ -77,7 +77,9 @@ typedef enum sp_status {
     /** Internal error: a panic was caught at the C boundary. Please report it. */
     SP_ERR_PANIC = 10,
     /** A configuration string was rejected (unknown key, bad value); nothing was applied. */
-    SP_ERR_CONFIG = 11
+    SP_ERR_CONFIG = 11,
+    /** The pool is paused (sp_pool_pause): nothing is allocated from it until sp_pool_resume. */
+    SP_ERR_POOL_PAUSED = 12
 } sp_status;
 
 /** A pool id, layout-compatible with PyTorch's MempoolId_t (std::pair<uint64_t, uint64_t>):
@@ -97,6 +99,9 @@ typedef struct sp_pool_options {
     int use_on_oom;
     /** Most physical bytes the pool may hold; 0 = no limit. */
     uint64_t limit_bytes;
+    /** Non-zero: the pool may be paused (sp_pool_pause). All its segments, small ones too, are
+     *  then vmm memory, since cudaMalloc memory cannot be given back at a kept address. */
+    int pausable;
 } sp_pool_options;
 
 /** Which allocations a route sends to its pool. */
@@ -131,8 +136,9 @@ typedef struct sp_stat_array {
 /** PyTorch's DeviceStats (keys and meanings of torch.cuda.memory_stats()): allocation and
  *  allocated_bytes count blocks handed out (rounded sizes); active additionally counts blocks
  *  freed but waiting for other streams; requested_bytes are the sizes asked for; segment and
- *  reserved_bytes are backend memory; inactive_split are free pieces of split segments.
- *  976 bytes; layout fixed. */
+ *  reserved_bytes are backend memory; inactive_split are free pieces of split segments;
+ *  reserved_paused_bytes (no PyTorch counterpart) are bytes of paused pools, given back to the
+ *  driver and mapped again by sp_pool_resume (not in reserved_bytes). 1072 bytes; layout fixed. */
 typedef struct sp_memory_stats {
     sp_stat_array allocation;
     sp_stat_array segment;
@@ -152,6 +158,7 @@ typedef struct sp_memory_stats {
     sp_stat oversize_segments;
     /** max_split_size in bytes; -1 when unlimited. */
     int64_t max_split_size;
+    sp_stat_array reserved_paused_bytes;
 } sp_memory_stats;
 
 /* ------------------------------------------------------------------------------------------ */
@@ -164,8 +171,8 @@ sp_status sp_version(int* major, int* minor, int* patch);
 /** Returns 1 if this build supports the feature name, else 0 (also for NULL or unknown names).
  *  Names: "cuda", "sim", "vmm", "pools", "routes", "statistics", "snapshot",
  *  "torch_pluggable", "checkpoint", "arenas", "variant_groups", "traces", "vmm_ipc"
- *  (sp_ipc_export / sp_ipc_open), "sim_bytes" (sp_sim_write and friends). Never initialises;
- *  works after sp_shutdown. */
+ *  (sp_ipc_export / sp_ipc_open), "sim_bytes" (sp_sim_write and friends), "pause"
+ *  (sp_pool_pause). Never initialises; works after sp_shutdown. */
 int sp_has_feature(const char* name);
 
 /** The message of the latest failed call on this thread; "" once a later call on this thread
@@ -465,6 +472,40 @@ sp_status sp_variant_begin(const sp_variant_group* g, size_t k, sp_restore_delta
 sp_status sp_variant_end(const sp_variant_group* g);
 /** Frees a variant group (NULL: SP_OK); the pool and its memory stay. */
 sp_status sp_variant_group_free(sp_variant_group* g);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Pausing pools                                                                              */
+
+/** sp_pool_pause flag: copy the pool's contents to pinned host memory before giving its pages
+ *  back; sp_pool_resume copies them back. Without it (flags 0) the contents are discarded. */
+#define SP_PAUSE_BACKUP 1u
+
+/** Gives every physical page of pool id back to the driver, keeping every virtual address,
+ *  block and statistic: pointers into the pool and CUDA graphs captured on it stay valid for
+ *  after sp_pool_resume. Synchronous: synchronises the device first, so no queued work touches
+ *  a page once it is released. While paused, allocating from the pool fails with
+ *  SP_ERR_POOL_PAUSED; freeing into it works; sp_empty_cache leaves it alone; a restore or a
+ *  variant begin on it fails with SP_ERR_POOL_PAUSED. Errors (nothing changed):
+ *  SP_ERR_INVALID_ARGUMENT (unknown flag bits, the default pool), SP_ERR_UNKNOWN_POOL,
+ *  SP_ERR_INVALID_STATE (already paused, a stream capture underway, the pool holds classic
+ *  segments - create it with sp_pool_options.pausable - or arenas), SP_ERR_DEVICE /
+ *  SP_ERR_OUT_OF_MEMORY (the backup failed). */
+sp_status sp_pool_pause(int device, sp_pool_id id, uint32_t flags);
+
+/** Maps new physical memory at every paused address of pool id and copies the backup back.
+ *  The backup's pinned buffer is kept for the pool's next backup (pinning memory costs far more
+ *  than copying it) until sp_pool_empty_cache or sp_empty_cache frees it. Errors (the pool stays paused, its backup kept): SP_ERR_UNKNOWN_POOL,
+ *  SP_ERR_INVALID_STATE (not paused, a capture underway), SP_ERR_OUT_OF_MEMORY. */
+sp_status sp_pool_resume(int device, sp_pool_id id);
+
+/** Writes whether pool id is paused (1 or 0), the bytes it gave back (mapped again by the
+ *  resume) and the pinned host bytes it holds (its backup, or the buffer kept for the next). Each out-pointer may be NULL.
+ *  Errors: SP_ERR_UNKNOWN_POOL. */
+sp_status sp_pool_pause_info(int device, sp_pool_id id, int* paused, uint64_t* paused_bytes,
+                             uint64_t* host_bytes);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Arenas                                                                                     */
 
 /** Creates a slot-aliased arena in pool id (created if new) for work on stream; *out receives
  *  its id. */

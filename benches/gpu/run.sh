@@ -12,7 +12,7 @@
 # (default: .gpu in the repository).
 #
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch_host torch
-# On demand: baselines (PyTorch's own figures: ckpt_probe, graph_variants, seed_shared_pools,
+# On demand: hostile (hostile-use pattern run: tests/gpu/hostile_patterns.cu), baselines (PyTorch's own figures: ckpt_probe, graph_variants, seed_shared_pools,
 # trace_workloads under three allocator settings), record_traces (the three workload traces),
 # record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
 # (growth cost per chunk size), host_sim (the criterion host-cost bench on this host), host_restore
@@ -98,6 +98,31 @@ if has suite; then
   else
     note gpu_suite "\"build\": false"
     tail -n 30 "$OUT/gpu_suite_build.log"
+  fi
+fi
+
+if has hostile; then
+  # Hostile-use pattern run (tests/gpu/hostile_patterns.cu): 8 threads on their own streams and
+  # pools, every allocation filled with its own pattern and read back before its free and after
+  # every restore and empty_cache, under a 1.5 GiB limit; vmm with 2 and 16 MiB pages, classic,
+  # and a shorter run under compute-sanitizer's memcheck.
+  if nvcc -O2 -std=c++17 -cudart shared -I include tests/gpu/hostile_patterns.cu -L "$LIB" -lslotpool \
+    -lcuda -Xlinker -rpath="$LIB" -o "$BUILD/hostile_patterns" >"$OUT/hostile_build.log" 2>&1; then
+    HOSTILE_OPS=${HOSTILE_OPS:-20000}
+    run hostile_vmm2 300 "$BUILD/hostile_patterns" growth:vmm,vmm_page_mb:2 8 "$HOSTILE_OPS"
+    run hostile_vmm16 300 "$BUILD/hostile_patterns" growth:vmm,vmm_page_mb:16 8 "$HOSTILE_OPS"
+    run hostile_classic 300 "$BUILD/hostile_patterns" growth:classic 8 "$HOSTILE_OPS"
+    if command -v compute-sanitizer >/dev/null; then
+      run hostile_memcheck 300 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 7 \
+        "$BUILD/hostile_patterns" growth:vmm,vmm_page_mb:2 8 "${HOSTILE_MEMCHECK_OPS:-1500}"
+    fi
+    for f in hostile_vmm2 hostile_vmm16 hostile_classic hostile_memcheck; do
+      [ -f "$OUT/$f.log" ] && grep '^{' "$OUT/$f.log" | sed "s/^{/{\"step\": \"$f\", /" >>"$RES"
+      [ -f "$OUT/$f.log" ] && grep -m1 'ERROR SUMMARY' "$OUT/$f.log"
+    done
+  else
+    note hostile "\"build\": false"
+    tail -n 30 "$OUT/hostile_build.log"
   fi
 fi
 

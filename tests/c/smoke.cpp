@@ -14,10 +14,10 @@
 #include <vector>
 
 static_assert(sizeof(sp_pool_id) == 16, "sp_pool_id");
-static_assert(sizeof(sp_pool_options) == 16, "sp_pool_options");
+static_assert(sizeof(sp_pool_options) == 24, "sp_pool_options");
 static_assert(sizeof(sp_stat) == 32, "sp_stat");
 static_assert(sizeof(sp_stat_array) == 96, "sp_stat_array");
-static_assert(sizeof(sp_memory_stats) == 976, "sp_memory_stats");
+static_assert(sizeof(sp_memory_stats) == 1072, "sp_memory_stats");
 static_assert(offsetof(sp_memory_stats, max_split_size) == 968, "max_split_size");
 
 namespace {
@@ -113,7 +113,7 @@ int run() {
         return 1;
     }
     // Pools by name, with options given as an aggregate.
-    sp_pool_options opts{1, 0, 64u << 20};
+    sp_pool_options opts{1, 0, 64u << 20, 0};
     sp_pool_id id{};
     check(sp_pool_named(0, "cpp-pool", &opts, &id), "sp_pool_named");
     void* p = nullptr;

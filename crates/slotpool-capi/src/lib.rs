@@ -9,6 +9,7 @@
 //!   initialisation from `sp_init` or from `SLOTPOOL_BACKEND` / `SLOTPOOL_CONF`, and shutdown.
 //! * [`types`]: `#[repr(C)]` mirrors of the header's structs, layout pinned by const asserts.
 //! * [`snapshot`]: the PyTorch-shaped JSON snapshot, with the configuration in effect.
+//! * [`pause`]: pausing and resuming pools (physical memory given back, addresses kept).
 //! * [`ipc`]: CUDA IPC of vmm memory (pages exported as file descriptors, and mapped).
 //! * [`sim`]: the bytes of simulated device memory (`sim_bytes:1`), for tests.
 //! * `handle`: the per-kind registries behind checkpoint, delta and variant-group handles.
@@ -21,6 +22,7 @@ pub mod graph;
 mod handle;
 pub mod ipc;
 mod out;
+pub mod pause;
 pub mod runtime;
 pub mod sim;
 pub mod snapshot;
@@ -30,6 +32,7 @@ pub use api::*;
 pub use error::{Error, sp_status, sp_status_name};
 pub use graph::*;
 pub use ipc::*;
+pub use pause::*;
 pub use sim::*;
 pub use types::{
     sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind, sp_stat, sp_stat_array,

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, Once, OnceLock, PoisonError};
 
 use slotpool_core::{
     AllocError, AllocResult, Allocator, CaptureStatus, Config, Device, DevicePtr, DeviceResult,
-    EventHandle, GrowthMode, PageHandle, StreamId, TraceEntry, TraceSink,
+    EventHandle, GrowthMode, HostBuffer, PageHandle, StreamId, TraceEntry, TraceSink,
 };
 use slotpool_cuda::CudaDevice;
 use slotpool_sim::{Backing, SimConfig, SimDevice};
@@ -127,6 +127,32 @@ impl Device for SimDev {
     fn refresh_access(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
         self.inner
             .refresh_access(ptr.wrapping_sub(self.offset), size)
+    }
+    fn alloc_host(&self, size: u64) -> DeviceResult<HostBuffer> {
+        self.inner.alloc_host(size)
+    }
+    fn free_host(&self, buf: HostBuffer) -> DeviceResult<()> {
+        self.inner.free_host(buf)
+    }
+    fn copy_to_host(
+        &self,
+        dst: HostBuffer,
+        offset: u64,
+        src: DevicePtr,
+        size: u64,
+    ) -> DeviceResult<()> {
+        self.inner
+            .copy_to_host(dst, offset, src.wrapping_sub(self.offset), size)
+    }
+    fn copy_from_host(
+        &self,
+        dst: DevicePtr,
+        src: HostBuffer,
+        offset: u64,
+        size: u64,
+    ) -> DeviceResult<()> {
+        self.inner
+            .copy_from_host(dst.wrapping_sub(self.offset), src, offset, size)
     }
 }
 

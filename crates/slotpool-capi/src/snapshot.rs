@@ -50,6 +50,7 @@ fn segment_json(device: usize, seg: &SegmentSnapshot) -> Value {
         "segment_type": if seg.small { "small" } else { "large" },
         "segment_pool_id": [seg.pool.0, seg.pool.1],
         "is_expandable": seg.vmm,
+        "is_paused": seg.paused,
         "frames": [],
         "blocks": blocks,
     })

@@ -43,6 +43,8 @@ pub struct sp_pool_options {
     pub use_on_oom: c_int,
     /// Most physical bytes the pool may hold; 0 means no limit.
     pub limit_bytes: u64,
+    /// Non-zero: the pool may be paused (`sp_pool_pause`): all its memory is vmm memory.
+    pub pausable: c_int,
 }
 
 impl From<&sp_pool_options> for PoolOptions {
@@ -51,6 +53,7 @@ impl From<&sp_pool_options> for PoolOptions {
             no_split: o.no_split != 0,
             use_on_oom: o.use_on_oom != 0,
             limit: (o.limit_bytes != 0).then_some(o.limit_bytes),
+            pausable: o.pausable != 0,
         }
     }
 }
@@ -131,6 +134,8 @@ pub struct sp_memory_stats {
     pub oversize_allocations: sp_stat,
     pub oversize_segments: sp_stat,
     pub max_split_size: i64,
+    /// Bytes of paused pools, given back to the driver and mapped again by the resume.
+    pub reserved_paused_bytes: sp_stat_array,
 }
 
 /// What an allocator event was (`sp_trace_action` in C): PyTorch's trace actions.
@@ -201,7 +206,8 @@ const _: () = {
     assert!(offset_of!(sp_trace_event, time_us) == 32);
     assert!(size_of::<sp_pool_id>() == 16);
     assert!(offset_of!(sp_pool_id, b) == 8);
-    assert!(size_of::<sp_pool_options>() == 16);
+    assert!(size_of::<sp_pool_options>() == 24);
+    assert!(offset_of!(sp_pool_options, pausable) == 16);
     assert!(offset_of!(sp_pool_options, use_on_oom) == 4);
     assert!(offset_of!(sp_pool_options, limit_bytes) == 8);
     assert!(size_of::<sp_route_kind>() == size_of::<c_int>());
@@ -212,7 +218,8 @@ const _: () = {
     assert!(size_of::<sp_stat_array>() == 96);
     assert!(offset_of!(sp_stat_array, small_pool) == 32);
     assert!(offset_of!(sp_stat_array, large_pool) == 64);
-    assert!(size_of::<sp_memory_stats>() == 976);
+    assert!(size_of::<sp_memory_stats>() == 1072);
+    assert!(offset_of!(sp_memory_stats, reserved_paused_bytes) == 976);
     assert!(offset_of!(sp_memory_stats, segment) == 96);
     assert!(offset_of!(sp_memory_stats, requested_bytes) == 768);
     assert!(offset_of!(sp_memory_stats, num_alloc_retries) == 864);
@@ -257,6 +264,7 @@ impl From<&MemoryStats> for sp_memory_stats {
             active_bytes,
             inactive_split_bytes,
             requested_bytes,
+            reserved_paused_bytes,
             num_alloc_retries,
             num_ooms,
             num_sync_all_streams,
@@ -284,6 +292,7 @@ impl From<&MemoryStats> for sp_memory_stats {
             oversize_allocations: oversize_allocations.into(),
             oversize_segments: oversize_segments.into(),
             max_split_size: *max_split_size,
+            reserved_paused_bytes: reserved_paused_bytes.into(),
         }
     }
 }
@@ -314,12 +323,14 @@ mod tests {
             no_split: 1,
             use_on_oom: 0,
             limit_bytes: 0,
+            pausable: 1,
         });
-        assert!(o.no_split && !o.use_on_oom && o.limit.is_none());
+        assert!(o.no_split && !o.use_on_oom && o.limit.is_none() && o.pausable);
         let o = PoolOptions::from(&sp_pool_options {
             no_split: 0,
             use_on_oom: 7,
             limit_bytes: 4096,
+            pausable: 0,
         });
         assert!(!o.no_split && o.use_on_oom && o.limit == Some(4096));
         assert!(sp_route_kind(9).filter(0).is_err());

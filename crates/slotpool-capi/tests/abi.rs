@@ -554,6 +554,7 @@ fn pool_lifecycle() {
         no_split: 0,
         use_on_oom: 1,
         limit_bytes: 0,
+        pausable: 0,
     };
     let mut n = 0u64;
     // SAFETY: valid pointers throughout.
@@ -583,6 +584,7 @@ fn pool_lifecycle() {
             no_split: 1,
             use_on_oom: 0,
             limit_bytes: 64 << 20,
+            pausable: 0,
         };
         ok(sp_pool_set_options(SHARED, id, &limited));
         let mut big = null_mut();

@@ -62,6 +62,8 @@ pub(crate) struct PoolEntry {
     /// Checkpoints of the pool taken so far (dead ones pruned at each new one): a shard born
     /// while one is alive keeps no quick cache (`Shard::quick_off`).
     pub checkpoints: Vec<Weak<crate::checkpoint::CheckpointToken>>,
+    /// Set while the pool is paused (`pause.rs`): no shard of it is created meanwhile.
+    pub paused: Option<crate::pause::PauseMode>,
 }
 
 static NEXT_ALLOCATOR_UID: AtomicU64 = AtomicU64::new(1);
@@ -148,6 +150,7 @@ impl<D: Device> Allocator<D> {
                 options: PoolOptions::default(),
                 budget: Arc::new(Budget::new(u64::MAX)),
                 checkpoints: Vec::new(),
+                paused: None,
             },
         );
         Allocator {
@@ -332,6 +335,7 @@ impl<D: Device> Allocator<D> {
                 let cell = self.shard_for(pool, stream)?;
                 self.alloc_after_oom(cell, pool, stream, rounded, size)
             }
+            Err(ShardError::Paused) => Err(AllocError::PoolPaused(pool)),
             Err(e) => Err(shard_error(e)),
         }
     }
@@ -532,18 +536,27 @@ impl<D: Device> Allocator<D> {
     /// is in use. The caller keeps its pointer but must not free it again (the PyTorch shim
     /// swallows that later free). Returns the block's size.
     pub fn mark_reusable(&self, ptr: DevicePtr) -> AllocResult<u64> {
-        self.with_owner(ptr, |cell, s| {
+        let r = self.with_owner(ptr, |cell, s| {
+            let pool = s.pool;
+            if s.pause.is_some() {
+                // Its pages are not mapped: retention could not be recorded.
+                return Err((ShardError::Paused, pool));
+            }
             let env = self.env(&cell.pool_budget);
-            let id = s.lookup(ptr).ok_or(ShardError::UnknownPointer)?;
+            let unknown = (ShardError::UnknownPointer, pool);
+            let id = s.lookup(ptr).ok_or(unknown.clone())?;
             let (seg, size) = {
-                let b = s.block(id).ok_or(ShardError::UnknownPointer)?;
+                let b = s.block(id).ok_or(unknown)?;
                 (b.segment, b.size)
             };
             s.retain_range(&env, seg, ptr, size);
-            s.free(&env, ptr).map(|()| size)
-        })
-        .ok_or(AllocError::UnknownPointer(ptr))?
-        .map_err(shard_error)
+            s.free(&env, ptr).map(|()| size).map_err(|e| (e, pool))
+        });
+        match r.ok_or(AllocError::UnknownPointer(ptr))? {
+            Ok(size) => Ok(size),
+            Err((ShardError::Paused, pool)) => Err(AllocError::PoolPaused(pool)),
+            Err((e, _)) => Err(shard_error(e)),
+        }
     }
 
     /// Note that `ptr` is used on `stream` (`Tensor.record_stream`): it is reused on another
@@ -654,6 +667,10 @@ impl<D: Device> Allocator<D> {
         if let Some(cell) = shards.get(&(pool, stream)) {
             return Ok(cell.clone());
         }
+        if entry.paused.is_some() {
+            // A new shard would have nothing to serve from.
+            return Err(AllocError::PoolPaused(pool));
+        }
         let mut shard = Shard::new(
             pool,
             stream,
@@ -662,6 +679,7 @@ impl<D: Device> Allocator<D> {
             self.shared.allocated.new_lease(),
         );
         shard.quick_off = entry.checkpoints.iter().any(|c| c.strong_count() > 0);
+        shard.pausable = entry.options.pausable;
         let cell = Arc::new(ShardCell {
             shard: crate::sync::ShardMutex::new(shard),
             pool_budget: entry.budget.clone(),
@@ -738,6 +756,7 @@ impl<D: Device> Allocator<D> {
             options: options.clone(),
             budget: Arc::new(Budget::new(options.limit.unwrap_or(u64::MAX))),
             checkpoints: Vec::new(),
+            paused: None,
         });
         e.use_count += 1;
         Ok(e.use_count)
@@ -769,6 +788,7 @@ impl<D: Device> Allocator<D> {
                 options: options.clone(),
                 budget: Arc::new(Budget::new(options.limit.unwrap_or(u64::MAX))),
                 checkpoints: Vec::new(),
+                paused: None,
             },
         );
         Ok(id)
@@ -1306,6 +1326,7 @@ impl<D: Device> Allocator<D> {
     /// Every segment of every pool and stream with its blocks, in address order (for PyTorch's
     /// `memory_snapshot()`). A vmm reservation is reported as one segment per contiguous run of
     /// mapped pages, as PyTorch reports expandable segments; free blocks are clipped to the run.
+    /// A paused pool's segments are reported with the pages that its resume maps, `paused` set.
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
         let ps = self.shared.page_size.max(1);
         let mut out = Vec::new();
@@ -1328,7 +1349,8 @@ impl<D: Device> Allocator<D> {
                         let mut start: Option<usize> = None;
                         let pages = seg.size.div_ceil(ps) as usize;
                         for p in 0..=pages {
-                            let mapped = p < pages && pt.is_mapped(p);
+                            // A paused page is shown where it was, as a paused run.
+                            let mapped = p < pages && (pt.is_mapped(p) || s.is_paused_page(sid, p));
                             match (mapped, start) {
                                 (true, None) => start = Some(p),
                                 (false, Some(a)) => {
@@ -1363,6 +1385,7 @@ impl<D: Device> Allocator<D> {
                         size: hi - lo,
                         small: seg.small,
                         vmm: seg.is_vmm(),
+                        paused: s.pause.is_some(),
                         blocks: clipped,
                     });
                 }
@@ -1380,6 +1403,7 @@ pub(crate) fn shard_error(e: ShardError) -> AllocError {
         ShardError::UnknownPointer => AllocError::InvalidState("unknown pointer".into()),
         ShardError::NotVmm => AllocError::InvalidState("not a vmm segment".into()),
         ShardError::PageNotMapped => AllocError::InvalidState("page not mapped".into()),
+        ShardError::Paused => AllocError::InvalidState("the pool is paused".into()),
     }
 }
 
@@ -1406,6 +1430,8 @@ pub struct SegmentSnapshot {
     pub small: bool,
     /// Part of a vmm reservation (PyTorch's `is_expandable`).
     pub vmm: bool,
+    /// Its pool is paused: the run's pages are given back and mapped again by the resume.
+    pub paused: bool,
     /// Blocks in address order, tiling `[addr, addr + size)`.
     pub blocks: Vec<BlockSnapshot>,
 }

@@ -80,6 +80,13 @@ impl<D: Device> Allocator<D> {
         if !pool.is_default() && !lock(&self.pools).contains_key(&pool) {
             self.create_or_incref_pool(pool, Default::default())?;
         }
+        // A pause refuses pools with arenas, and a paused pool takes no arena (`pause.rs`).
+        if lock(&self.pools)
+            .get(&pool)
+            .is_some_and(|e| e.paused.is_some())
+        {
+            return Err(AllocError::PoolPaused(pool));
+        }
         let capacity = self.shared.vmm_reservation;
         let base = self.dev.reserve(capacity)?;
         let id = self.next_arena.fetch_add(1, Ordering::Relaxed);

@@ -22,6 +22,11 @@ pub struct PageHandle(pub u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EventHandle(pub u64);
 
+/// An opaque pinned host buffer handle (a `cuMemHostAlloc` allocation on CUDA), holding the
+/// contents of paused pools that asked for a backup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostBuffer(pub u64);
+
 /// Whether a stream is capturing into a CUDA graph, and into which one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CaptureStatus {
@@ -181,6 +186,53 @@ pub trait Device: Send + Sync + 'static {
         let _ = (ptr, size);
         Err(DeviceError::Unavailable(
             "this backend has no peer access".into(),
+        ))
+    }
+
+    /// Allocate `size` bytes of pinned (page-locked) host memory (`cuMemHostAlloc`), for the
+    /// backups of paused pools. Backends without host memory refuse it.
+    fn alloc_host(&self, size: u64) -> DeviceResult<HostBuffer> {
+        let _ = size;
+        Err(DeviceError::Unavailable(
+            "this backend has no pinned host memory".into(),
+        ))
+    }
+
+    /// Free a buffer returned by [`Device::alloc_host`] (`cuMemFreeHost`).
+    fn free_host(&self, buf: HostBuffer) -> DeviceResult<()> {
+        let _ = buf;
+        Err(DeviceError::Unavailable(
+            "this backend has no pinned host memory".into(),
+        ))
+    }
+
+    /// Copy `size` bytes of mapped device memory at `src` to `dst` at byte `offset`
+    /// (`cuMemcpyDtoH`), returning once the copy is done. The range may span several pages.
+    fn copy_to_host(
+        &self,
+        dst: HostBuffer,
+        offset: u64,
+        src: DevicePtr,
+        size: u64,
+    ) -> DeviceResult<()> {
+        let _ = (dst, offset, src, size);
+        Err(DeviceError::Unavailable(
+            "this backend has no pinned host memory".into(),
+        ))
+    }
+
+    /// Copy `size` bytes of `src` at byte `offset` to mapped device memory at `dst`
+    /// (`cuMemcpyHtoD`), returning once the copy is done.
+    fn copy_from_host(
+        &self,
+        dst: DevicePtr,
+        src: HostBuffer,
+        offset: u64,
+        size: u64,
+    ) -> DeviceResult<()> {
+        let _ = (dst, src, offset, size);
+        Err(DeviceError::Unavailable(
+            "this backend has no pinned host memory".into(),
         ))
     }
 }

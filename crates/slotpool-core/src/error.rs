@@ -113,6 +113,8 @@ pub enum AllocError {
     InvalidState(String),
     #[error("restore refused, nothing changed: {0}")]
     CheckpointMismatch(Box<crate::checkpoint::RestoreDiff>),
+    #[error("pool {0} is paused: resume it before allocating from it")]
+    PoolPaused(PoolId),
     #[error("device error: {0}")]
     Device(DeviceError),
 }

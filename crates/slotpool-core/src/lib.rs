@@ -33,6 +33,7 @@ pub mod history;
 pub mod id_slab;
 mod live_map;
 mod paged;
+pub mod pause;
 pub mod peak;
 pub mod peer;
 pub mod policy;
@@ -48,10 +49,12 @@ pub use arena::{ArenaId, ArenaReport, Overlap};
 pub use checkpoint::{Checkpoint, RestoreDelta, RestoreDiff};
 pub use config::{Config, ConfigError, GrowthMode};
 pub use device::{
-    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PageHandle, StreamId,
+    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostBuffer,
+    PageHandle, StreamId,
 };
 pub use error::{AllocError, AllocResult, OomReport};
 pub use history::{TraceAction, TraceEntry, TraceSink};
+pub use pause::{PauseMode, PauseState};
 pub use pool::{PoolId, PoolOptions};
 pub use route::{RouteFilter, current_thread_id};
 pub use stats::{MemoryStats, Stat, StatArray};

@@ -31,4 +31,8 @@ pub struct PoolOptions {
     pub use_on_oom: bool,
     /// Most physical bytes the pool may hold.
     pub limit: Option<u64>,
+    /// The pool may be paused ([`crate::Allocator::pause_pool`]): every segment it grows, small
+    /// ones included, is vmm memory, whatever the growth mode and the page size, since a
+    /// classic (`cudaMalloc`) segment cannot give its memory back and keep its addresses.
+    pub pausable: bool,
 }

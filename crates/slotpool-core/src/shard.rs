@@ -36,6 +36,8 @@ pub enum ShardError {
     NotVmm,
     /// A page operation named a page that is not mapped.
     PageNotMapped,
+    /// The shard's pool is paused: nothing is handed out until it is resumed.
+    Paused,
 }
 
 impl From<DeviceError> for ShardError {
@@ -68,7 +70,7 @@ pub struct Released {
 ///    `deferred`; no other block has pending events.
 /// 5. Every block in the slab belongs to exactly one segment chain; segments never overlap.
 /// 6. vmm pages: `live[p]` equals the number of non-free blocks overlapping page p; every page a
-///    non-free block overlaps is mapped; a page is idle exactly when mapped with `live == 0`;
+///    non-free block overlaps is mapped (or paused, 10); a page is idle exactly when mapped with `live == 0`;
 ///    only mapped pages are graph-retained; counts match the bitmaps.
 /// 7. Statistics equal a recount of the blocks and segments.
 /// 8. The live map holds exactly the `Allocated` and `Cached` blocks, each under its address (a
@@ -77,6 +79,10 @@ pub struct Released {
 ///    `QUICK_MAX` of them; they have no events or stream uses, count as live for their vmm
 ///    pages (6) and as inactive for the statistics (7), and there are none while a checkpoint is
 ///    alive.
+/// 10. Paused (`pause` is set, see `pause.rs`): the pause lists each paused page once, in a vmm
+///     segment, unmapped, with its own stretch of the host backup if there is one; the quick
+///     cache is empty and off; `reserved_paused_bytes` counts the listed pages. Not paused:
+///     `reserved_paused_bytes` is 0.
 #[derive(Debug)]
 pub struct Shard {
     pub pool: PoolId,
@@ -126,6 +132,13 @@ pub struct Shard {
     /// Allocations that searched the free index: the clock of garbage collection's ages
     /// (PyTorch's `get_free_blocks_call_count`).
     free_searches: u64,
+    /// The pool is pausable: every segment grows as vmm memory ([`crate::PoolOptions::pausable`]).
+    pub(crate) pausable: bool,
+    /// Set while the pool is paused: what the resume maps again (`pause.rs`).
+    pub(crate) pause: Option<Box<crate::pause::ShardPause>>,
+    /// The pinned host buffer of the last backup, kept for the next one (pinning memory costs
+    /// far more than copying it); freed with the rest of the cache by `release_cached`.
+    pub(crate) host_spare: Option<(crate::device::HostBuffer, u64)>,
     pub stats: MemoryStats,
 }
 
@@ -180,6 +193,9 @@ impl Shard {
             quick_off: false,
             quick_credit: QUICK_CREDIT_MAX,
             free_searches: 0,
+            pausable: false,
+            pause: None,
+            host_spare: None,
             stats,
         }
     }
@@ -386,6 +402,10 @@ impl Shard {
         rounded: u64,
         requested: u64,
     ) -> Result<(BlockId, DevicePtr), ShardError> {
+        // A paused shard's quick cache is empty and off (invariant 10): every request comes here.
+        if self.pause.is_some() {
+            return Err(ShardError::Paused);
+        }
         if !env.capture_underway && (!self.pending.is_empty() || !self.deferred.is_empty()) {
             self.process_events(env);
         }
@@ -429,7 +449,7 @@ impl Shard {
 
     fn find_free(&self, env: &Env<'_>, rounded: u64, small: bool) -> Option<BlockId> {
         let mut best: Option<FreeKey> = self.index(small).first_at_least(rounded);
-        if env.growth == GrowthMode::Vmm {
+        if env.growth == GrowthMode::Vmm || self.pausable {
             // Best fit over the index and the segments' free tails, in the index's order.
             for (_, seg) in self.segments.iter() {
                 if let Some(t) = seg.free_tail
@@ -444,15 +464,22 @@ impl Shard {
             }
         }
         let (size, _, id) = best?;
-        if !env.vmm_for(small) && !env.policy.may_serve(size, rounded) {
+        if !self.vmm_for(env, small) && !env.policy.may_serve(size, rounded) {
             return None;
         }
         Some(id)
     }
 
+    /// Whether this shard grows blocks of this size class by vmm pages: as the device's
+    /// [`Env::vmm_for`] says, and always in a pausable pool.
+    #[inline]
+    fn vmm_for(&self, env: &Env<'_>, small: bool) -> bool {
+        self.pausable || env.vmm_for(small)
+    }
+
     /// Add a segment big enough for `rounded` bytes; returns its one free block.
     fn grow(&mut self, env: &Env<'_>, rounded: u64, small: bool) -> Result<BlockId, ShardError> {
-        let growth = if env.vmm_for(small) {
+        let growth = if self.vmm_for(env, small) {
             GrowthMode::Vmm
         } else {
             GrowthMode::Classic
@@ -1146,7 +1173,7 @@ impl Shard {
 
     /// The device was synchronised: every page idle now is safe to unmap. (No event is recorded
     /// on the shard's stream here: the program may have destroyed it since.)
-    fn device_synchronized(&mut self, env: &Env<'_>) {
+    pub(crate) fn device_synchronized(&mut self, env: &Env<'_>) {
         for (_, ev) in self.epoch_events.drain(..) {
             env.events.put(ev);
         }
@@ -1154,7 +1181,7 @@ impl Shard {
         self.safe_epoch = self.epoch;
     }
 
-    fn unmap_page(
+    pub(crate) fn unmap_page(
         &mut self,
         env: &Env<'_>,
         seg: SegmentId,
@@ -1250,8 +1277,14 @@ impl Shard {
         keep_retained: bool,
     ) -> Released {
         let mut out = Released::default();
-        if env.capture_underway {
+        // A paused shard holds no mapped page, and its segments stay for the resume.
+        if env.capture_underway || self.pause.is_some() {
             return out;
+        }
+        if let Some((buf, _)) = self.host_spare.take()
+            && env.dev.free_host(buf).is_err()
+        {
+            tracing::warn!("a paused pool's spare host buffer could not be freed");
         }
         self.flush_quick(env);
         self.prune_marks();
@@ -1603,7 +1636,7 @@ impl Shard {
                         ));
                     }
                     let is_mapped = pt.is_mapped(p);
-                    if want > 0 && !is_mapped {
+                    if want > 0 && !is_mapped && !self.is_paused_page(sid, p) {
                         return Err(format!("6: segment {sid} page {p} is live but not mapped"));
                     }
                     if is_mapped {
@@ -1750,7 +1783,7 @@ impl Shard {
         if st.oversize_allocations.current != recount.oversize_allocations.current {
             return Err("7: oversize_allocations differs from a recount".into());
         }
-        Ok(())
+        self.check_pause(page_size)
     }
 
     fn stats_max_split(&self) -> u64 {

@@ -220,6 +220,11 @@ impl Serialize for StatArray {
 /// waiting for cross-stream events; `requested_bytes` are the sizes asked for; `segment` and
 /// `reserved_bytes` are backend memory (segments in classic mode, mapped 2 MiB pages in vmm mode);
 /// `inactive_split` are free blocks that are part of a split classic segment.
+///
+/// `reserved_paused_bytes` (no PyTorch counterpart) are the bytes of paused pools
+/// ([`crate::Allocator::pause_pool`]): pages given back to the driver at addresses the pool keeps,
+/// mapped again by the resume. They are not in `reserved_bytes`, which counts what is held on the
+/// device now; the two added are what the pools held before the pause.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct MemoryStats {
     pub allocation: StatArray,
@@ -231,6 +236,7 @@ pub struct MemoryStats {
     pub active_bytes: StatArray,
     pub inactive_split_bytes: StatArray,
     pub requested_bytes: StatArray,
+    pub reserved_paused_bytes: StatArray,
     pub num_alloc_retries: i64,
     pub num_ooms: i64,
     pub num_sync_all_streams: i64,
@@ -257,7 +263,7 @@ impl MemoryStats {
         self.oversize_segments.merge(&other.oversize_segments);
     }
 
-    fn arrays(&self) -> [&StatArray; 9] {
+    fn arrays(&self) -> [&StatArray; 10] {
         [
             &self.allocation,
             &self.segment,
@@ -268,10 +274,11 @@ impl MemoryStats {
             &self.active_bytes,
             &self.inactive_split_bytes,
             &self.requested_bytes,
+            &self.reserved_paused_bytes,
         ]
     }
 
-    fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
+    fn arrays_mut(&mut self) -> [&mut StatArray; 10] {
         [
             &mut self.allocation,
             &mut self.segment,
@@ -282,6 +289,7 @@ impl MemoryStats {
             &mut self.active_bytes,
             &mut self.inactive_split_bytes,
             &mut self.requested_bytes,
+            &mut self.reserved_paused_bytes,
         ]
     }
 
@@ -322,6 +330,7 @@ impl MemoryStats {
             "active_bytes",
             "inactive_split_bytes",
             "requested_bytes",
+            "reserved_paused_bytes",
         ];
         let mut out = BTreeMap::new();
         for (name, arr) in names.iter().zip(self.arrays()) {
@@ -504,6 +513,7 @@ mod tests {
         assert_eq!(flat["num_ooms"], 2);
         assert!(flat.contains_key("inactive_split_bytes.all.current"));
         assert!(flat.contains_key("requested_bytes.all.allocated"));
+        assert!(flat.contains_key("reserved_paused_bytes.all.current"));
         m.reset_peak();
         assert_eq!(m.allocated_bytes.all().peak, 0);
         m.reset_accumulated();

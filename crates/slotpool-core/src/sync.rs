@@ -1,10 +1,11 @@
 //! Lock helpers. Lock order (never take a lock listed earlier while holding a later one):
 //!
-//! 1. `Allocator::reclaim` (OOM, `empty_cache`, checkpoint and restore paths)
+//! 1. `Allocator::reclaim` (OOM, `empty_cache`, checkpoint, restore, pause and resume paths)
 //! 2. `Allocator::arenas`, then `Allocator::pools`, then `Allocator::routes`, then
 //!    `Allocator::shards`
-//! 3. one shard (never two at once, except checkpoint and restore, which lock a pool's shards in
-//!    stream order while holding `reclaim`)
+//! 3. one shard (never two at once, except checkpoint, restore, pause and resume, which lock a
+//!    pool's shards in stream order while holding `reclaim`; pause and resume hold `pools` and
+//!    `shards` meanwhile, so that no shard of the pool is created under them)
 //! 4. `Allocator::segments` (the segment registry; written under a shard's lock)
 //! 5. `PagePool` / `EventPool` / the lease list of `PeakCounter` (leaf locks)
 

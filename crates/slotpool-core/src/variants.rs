@@ -40,8 +40,9 @@ impl VariantGroup {
 }
 
 impl<D: Device> Allocator<D> {
-    /// The shards of `pool` in stream order. Only checkpoint and restore hold more than one
-    /// shard locked, and they do so under the `reclaim` lock, so this order cannot deadlock.
+    /// The shards of `pool` in stream order. Only checkpoint, restore, pause and resume hold more
+    /// than one shard locked, and they do so under the `reclaim` lock, so this order cannot
+    /// deadlock.
     fn pool_shards_sorted(&self, pool: PoolId) -> Vec<ShardRef> {
         let mut cells = self.pool_shards(pool);
         cells.sort_by_key(|c| lock(&c.shard).stream);
@@ -119,6 +120,13 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::UnknownPool(pool));
         }
         let _reclaim = lock(&self.reclaim);
+        // Under `reclaim`, which pause and resume hold too.
+        if lock(&self.pools)
+            .get(&pool)
+            .is_some_and(|e| e.paused.is_some())
+        {
+            return Err(AllocError::PoolPaused(pool));
+        }
         let mut diff = RestoreDiff::default();
         for (stream, weak) in &checkpoint.marks {
             if weak.upgrade().is_none() {

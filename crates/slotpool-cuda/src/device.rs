@@ -12,7 +12,8 @@ use cudarc::driver::sys::{
     CUmemLocationType, CUresult, CUstream, CUstreamCaptureMode, CUstreamCaptureStatus,
 };
 use slotpool_core::{
-    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PageHandle, StreamId,
+    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostBuffer,
+    PageHandle, StreamId,
 };
 
 use crate::error::{call, error_from, guard, mark_driver_loaded};
@@ -62,6 +63,10 @@ const SYMBOLS: &[&str] = &[
     "cuStreamSynchronize",
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemcpyDtoH_v2",
+    "cuMemcpyHtoD_v2",
 ];
 
 /// Whether a CUDA driver library (`libcuda.so*`) can be loaded in this process. Never panics.
@@ -103,6 +108,8 @@ pub struct CudaDevice {
     pub(crate) exported: Mutex<HashMap<u64, c_int>>,
     /// Ranges mapped from other processes' pages (`ipc.rs`): address -> (pages, page bytes).
     pub(crate) imported: Mutex<HashMap<u64, (usize, usize)>>,
+    /// Live pinned host buffers (`host.rs`): host address -> bytes.
+    pub(crate) host: Mutex<HashMap<u64, usize>>,
 }
 
 /// Restores the calling thread's previous context when dropped (see [`CudaDevice::enter`]).
@@ -246,6 +253,7 @@ impl CudaDevice {
             shareable: AtomicBool::new(shareable),
             exported: Mutex::new(HashMap::new()),
             imported: Mutex::new(HashMap::new()),
+            host: Mutex::new(HashMap::new()),
         };
         // From here on an early return drops `this`, which releases the primary context.
         if vmm {
@@ -739,6 +747,34 @@ impl Device for CudaDevice {
         call("cuStreamWaitEvent", || unsafe {
             sys::cuStreamWaitEvent(stream_of(stream), event_of(event), 0)
         })
+    }
+
+    fn alloc_host(&self, size: u64) -> DeviceResult<HostBuffer> {
+        self.host_alloc(size)
+    }
+
+    fn free_host(&self, buf: HostBuffer) -> DeviceResult<()> {
+        self.host_free(buf)
+    }
+
+    fn copy_to_host(
+        &self,
+        dst: HostBuffer,
+        offset: u64,
+        src: DevicePtr,
+        size: u64,
+    ) -> DeviceResult<()> {
+        self.host_copy_to(dst, offset, src, size)
+    }
+
+    fn copy_from_host(
+        &self,
+        dst: DevicePtr,
+        src: HostBuffer,
+        offset: u64,
+        size: u64,
+    ) -> DeviceResult<()> {
+        self.host_copy_from(dst, src, offset, size)
     }
 
     fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus> {

@@ -67,6 +67,7 @@ compile_error!("slotpool-cuda stores CUDA handles as u64 and supports 64-bit tar
 
 mod device;
 pub mod error;
+mod host;
 mod ipc;
 
 pub use device::{CudaDevice, driver_present};

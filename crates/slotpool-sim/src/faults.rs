@@ -31,6 +31,14 @@ pub enum CallKind {
     SynchronizeEvent,
     /// `stream_wait_event`.
     StreamWaitEvent,
+    /// `alloc_host`.
+    AllocHost,
+    /// `free_host`.
+    FreeHost,
+    /// `copy_to_host`.
+    CopyToHost,
+    /// `copy_from_host`.
+    CopyFromHost,
 }
 
 /// Number of [`CallKind`]s.
@@ -38,7 +46,7 @@ const KINDS: usize = CallKind::ALL.len();
 
 impl CallKind {
     /// Every kind, in declaration order.
-    pub const ALL: [CallKind; 14] = [
+    pub const ALL: [CallKind; 18] = [
         CallKind::AllocSegment,
         CallKind::FreeSegment,
         CallKind::Reserve,
@@ -53,6 +61,10 @@ impl CallKind {
         CallKind::QueryEvent,
         CallKind::SynchronizeEvent,
         CallKind::StreamWaitEvent,
+        CallKind::AllocHost,
+        CallKind::FreeHost,
+        CallKind::CopyToHost,
+        CallKind::CopyFromHost,
     ];
 
     /// The `Device` method's name, e.g. `"free_segment"`.
@@ -72,6 +84,10 @@ impl CallKind {
             CallKind::QueryEvent => "query_event",
             CallKind::SynchronizeEvent => "synchronize_event",
             CallKind::StreamWaitEvent => "stream_wait_event",
+            CallKind::AllocHost => "alloc_host",
+            CallKind::FreeHost => "free_host",
+            CallKind::CopyToHost => "copy_to_host",
+            CallKind::CopyFromHost => "copy_from_host",
         }
     }
 }

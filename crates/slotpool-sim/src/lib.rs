@@ -10,6 +10,7 @@ mod bytes;
 mod capture;
 mod config;
 mod faults;
+mod host;
 mod memory;
 mod streams;
 #[cfg(test)]
@@ -18,7 +19,8 @@ mod tests;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use slotpool_core::{
-    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PageHandle, StreamId,
+    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostBuffer,
+    PageHandle, StreamId,
 };
 
 pub use bytes::pattern_byte;
@@ -28,6 +30,7 @@ pub use memory::{PAGE_POISON, SimAccessError};
 
 use capture::Captures;
 use faults::Faults;
+use host::HostMemory;
 use memory::Memory;
 use streams::Streams;
 
@@ -62,6 +65,9 @@ use streams::Streams;
 /// 8. Every call of a [`CallKind`] is counted in `calls(kind)`, failed ones included. A call
 ///    chosen by `inject_oom` / `fail_all` fails with `OutOfMemory` and changes nothing (capture
 ///    rules are checked first).
+/// 9. Host buffers (`alloc_host`) hold real bytes (sparse, read as 0 until written) and are
+///    never reused; `copy_to_host` / `copy_from_host` copy between them and mapped memory, all
+///    or nothing, and are illegal during any capture. `host_buffer_bytes()` is their total size.
 #[derive(Debug)]
 pub struct SimDevice {
     state: Mutex<State>,
@@ -71,6 +77,7 @@ pub struct SimDevice {
 #[derive(Debug)]
 struct State {
     memory: Memory,
+    host: HostMemory,
     streams: Streams,
     captures: Captures,
     faults: Faults,
@@ -141,6 +148,7 @@ impl SimDevice {
     fn from_valid(config: SimConfig) -> Self {
         let state = State {
             memory: Memory::new(&config),
+            host: HostMemory::default(),
             streams: Streams::new(config.auto_complete),
             captures: Captures::default(),
             faults: Faults::default(),
@@ -209,6 +217,11 @@ impl SimDevice {
     /// Host bytes actually allocated to back device memory (64 KiB per chunk ever written).
     pub fn host_bytes(&self) -> u64 {
         self.lock().memory.host_bytes()
+    }
+
+    /// Bytes of live pinned host buffers (`alloc_host`).
+    pub fn host_buffer_bytes(&self) -> u64 {
+        self.lock().host.bytes
     }
 
     // --- memory access ---
@@ -480,5 +493,43 @@ impl Device for SimDevice {
 
     fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus> {
         Ok(self.lock().captures.status(stream))
+    }
+
+    fn alloc_host(&self, size: u64) -> DeviceResult<HostBuffer> {
+        let rule = CaptureRule::Allowed;
+        self.lock()
+            .call(CallKind::AllocHost, rule, |s| s.host.alloc(size))
+    }
+
+    fn free_host(&self, buf: HostBuffer) -> DeviceResult<()> {
+        let rule = CaptureRule::Allowed;
+        self.lock()
+            .call(CallKind::FreeHost, rule, |s| s.host.free(buf))
+    }
+
+    fn copy_to_host(
+        &self,
+        dst: HostBuffer,
+        offset: u64,
+        src: DevicePtr,
+        size: u64,
+    ) -> DeviceResult<()> {
+        let rule = CaptureRule::NoCapture;
+        self.lock().call(CallKind::CopyToHost, rule, |s| {
+            s.host.copy_to_host(&s.memory, dst, offset, src, size)
+        })
+    }
+
+    fn copy_from_host(
+        &self,
+        dst: DevicePtr,
+        src: HostBuffer,
+        offset: u64,
+        size: u64,
+    ) -> DeviceResult<()> {
+        let rule = CaptureRule::NoCapture;
+        self.lock().call(CallKind::CopyFromHost, rule, |s| {
+            s.host.copy_from_host(&mut s.memory, dst, src, offset, size)
+        })
     }
 }

@@ -407,6 +407,16 @@ impl Memory {
         Ok(pieces)
     }
 
+    /// How the memory is backed.
+    pub(crate) fn backing(&self) -> Backing {
+        self.backing
+    }
+
+    /// Whether all `len` bytes at `ptr` lie in live segments or mapped pages.
+    pub(crate) fn accessible(&self, ptr: DevicePtr, len: u64) -> Result<(), SimAccessError> {
+        self.pieces(ptr, len).map(|_| ())
+    }
+
     fn store(&self, target: Target) -> Option<&Store> {
         match target {
             Target::Segment(start) => match self.ranges.get(&start) {

@@ -96,9 +96,16 @@ fn every_call_is_counted() {
     let _ = d.unmap(1);
     let _ = d.release_page(PageHandle(7));
     let _ = d.release_reservation(1, 1);
+    let h = d.alloc_host(4096).unwrap();
+    let _ = d.copy_to_host(h, 0, 1, 16);
+    let _ = d.copy_from_host(1, h, 0, 16);
+    d.free_host(h).unwrap();
     let counted: Vec<u64> = CallKind::ALL.iter().map(|&k| d.calls(k)).collect();
-    assert_eq!(counted, [0, 1, 0, 1, 0, 1, 0, 1, 1, 1, 1, 2, 1, 1]);
-    assert_eq!(d.contract_violations(), 4);
+    assert_eq!(
+        counted,
+        [0, 1, 0, 1, 0, 1, 0, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1]
+    );
+    assert_eq!(d.contract_violations(), 6);
     assert_eq!(CallKind::SynchronizeEvent.name(), "synchronize_event");
 }
 

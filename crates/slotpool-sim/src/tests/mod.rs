@@ -3,6 +3,7 @@
 mod access;
 mod capture;
 mod faults;
+mod host;
 mod memory;
 mod streams;
 
