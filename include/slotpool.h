@@ -508,18 +508,23 @@ sp_status sp_pool_pause_info(int device, sp_pool_id id, int* paused, uint64_t* p
 /* Arenas                                                                                     */
 
 /** Creates a slot-aliased arena in pool id (created if new) for work on stream; *out receives
- *  its id. */
+ *  its id. The arena holds a use of the pool until it is destroyed. Its pages count in the
+ *  device's and the pool's statistics and appear in the snapshot as a segment of the pool. */
 sp_status sp_arena_create(int device, sp_pool_id id, uint64_t stream, uint64_t* out);
-/** Allocates slot `slot` of branch `branch`: slot s has the same address in every branch.
- *  Errors: SP_ERR_INVALID_STATE (already live; in debug mode, overlap with another branch's
- *  live slot), SP_ERR_OUT_OF_MEMORY, SP_ERR_INVALID_ARGUMENT (unknown arena, size). */
+/** Allocates slot `slot` of branch `branch`: slot s has the same address in every branch. The
+ *  allocation is the pair (branch, slot); it stays live until sp_arena_free of that pair.
+ *  Errors (each changes nothing, pages mapped by the failing call included):
+ *  SP_ERR_INVALID_STATE (already live; in debug mode, overlap with another branch's live slot),
+ *  SP_ERR_OUT_OF_MEMORY, SP_ERR_INVALID_ARGUMENT (unknown arena, size). */
 sp_status sp_arena_alloc(int device, uint64_t arena, uint32_t branch, uint32_t slot, size_t size,
                          void** out);
-/** Frees slot `slot` of branch `branch`. Errors: SP_ERR_INVALID_STATE (not live). */
+/** Frees slot `slot` of branch `branch`, and only that allocation. Errors: SP_ERR_INVALID_STATE
+ *  (not live). */
 sp_status sp_arena_free(int device, uint64_t arena, uint32_t branch, uint32_t slot);
 /** Turns the overlap check of an arena on (non-zero) or off. */
 sp_status sp_arena_set_debug(int device, uint64_t arena, int on);
-/** Destroys an arena; its pages return. Errors: SP_ERR_INVALID_STATE (live slots). */
+/** Destroys an arena; its pages return and its use of the pool is given back. Errors:
+ *  SP_ERR_INVALID_STATE (any (branch, slot) live, or a capture underway). */
 sp_status sp_arena_destroy(int device, uint64_t arena);
 
 /** SP_OK iff the live allocations of pool id are exactly ptrs[0..n] (checkPoolLiveAllocations);

@@ -1,5 +1,7 @@
 //! Cross-crate tests of the allocator on the simulated device, in one test binary.
 
+mod arena;
+mod arena_model;
 mod common;
 mod gc;
 mod model;

@@ -363,7 +363,7 @@ pub unsafe extern "C" fn sp_variant_group_free(g: *mut sp_variant_group) -> sp_s
 // ------------------------------------------------------------------------------------------------
 // Arenas
 
-/// Creates an arena in pool `id` for work on `stream`.
+/// Creates an arena in pool `id` for work on `stream`; it holds a use of the pool until destroyed.
 ///
 /// # Safety
 ///
@@ -384,7 +384,8 @@ pub unsafe extern "C" fn sp_arena_create(
     })
 }
 
-/// Allocates slot `slot` of branch `branch`: the same address in every branch.
+/// Allocates slot `slot` of branch `branch`: the same address in every branch. A refused or
+/// failed call changes nothing.
 ///
 /// # Safety
 ///
@@ -410,7 +411,7 @@ pub unsafe extern "C" fn sp_arena_alloc(
     })
 }
 
-/// Frees slot `slot` of branch `branch`.
+/// Frees slot `slot` of branch `branch`, and only that allocation.
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_arena_free(device: c_int, arena: u64, branch: u32, slot: u32) -> sp_status {
     ffi(|| {
@@ -428,7 +429,7 @@ pub extern "C" fn sp_arena_set_debug(device: c_int, arena: u64, on: c_int) -> sp
     })
 }
 
-/// Destroys an arena (refused while slots are live).
+/// Destroys an arena (refused while any (branch, slot) is live) and gives back its use of the pool.
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_arena_destroy(device: c_int, arena: u64) -> sp_status {
     ffi(|| {

@@ -1055,10 +1055,14 @@ impl<D: Device> Allocator<D> {
     /// Forget freeable pools that hold nothing any more.
     fn forget_freeable_pools(&self) {
         self.drop_empty_shards(None);
+        let arena_pools = self.arena_pools();
         let mut pools = lock(&self.pools);
         let shards = lock(&self.shards);
         pools.retain(|id, e| {
-            id.is_default() || e.use_count > 0 || shards.keys().any(|(p, _)| p == id)
+            id.is_default()
+                || e.use_count > 0
+                || shards.keys().any(|(p, _)| p == id)
+                || arena_pools.contains(id)
         });
     }
 
@@ -1108,6 +1112,7 @@ impl<D: Device> Allocator<D> {
         for cell in self.all_shards().values() {
             out.merge(&lock(&cell.shard).stats);
         }
+        self.merge_arena_stats(&mut out, None);
         out.num_alloc_retries += self.num_alloc_retries.load(Ordering::Relaxed);
         out.num_ooms += self.num_ooms.load(Ordering::Relaxed);
         // Device-wide peaks from one counter (the merged per-shard peaks add up per shard).
@@ -1120,11 +1125,11 @@ impl<D: Device> Allocator<D> {
 
     /// Bytes handed out now (rounded), summed over shards: `memory_allocated()`.
     pub fn allocated_bytes(&self) -> u64 {
-        let shards = lock(&self.shards);
-        shards
+        let shards: u64 = lock(&self.shards)
             .values()
             .map(|c| lock(&c.shard).stats.allocated_bytes.all().current as u64)
-            .sum()
+            .sum();
+        shards + self.arena_allocated_bytes()
     }
 
     /// Statistics of one pool.
@@ -1136,6 +1141,7 @@ impl<D: Device> Allocator<D> {
         for cell in self.pool_shards(pool) {
             out.merge(&lock(&cell.shard).stats);
         }
+        self.merge_arena_stats(&mut out, Some(pool));
         Ok(out)
     }
 
@@ -1147,6 +1153,7 @@ impl<D: Device> Allocator<D> {
             // The device-wide counter restarts from the exact allocated bytes.
             s.settle_credit(&self.env(&cell.pool_budget));
         }
+        self.arena_stats_mut(MemoryStats::reset_peak);
         self.shared.allocated.reset_peak();
         self.shared.budget.reset_peak();
     }
@@ -1156,6 +1163,7 @@ impl<D: Device> Allocator<D> {
         for cell in self.all_shards().values() {
             lock(&cell.shard).stats.reset_accumulated();
         }
+        self.arena_stats_mut(MemoryStats::reset_accumulated);
         self.num_alloc_retries.store(0, Ordering::Relaxed);
         self.num_ooms.store(0, Ordering::Relaxed);
     }
@@ -1181,7 +1189,7 @@ impl<D: Device> Allocator<D> {
     /// 3. physical bytes held equal classic segments + mapped pages + cached pages;
     /// 4. each pool's budget equals what its shards hold;
     /// 5. the device-wide allocated counter equals the shards' allocated bytes plus their credits
-    ///    and leases.
+    ///    and leases, plus the arenas' live slots (each arena's own invariants are checked too).
     pub fn check_invariants(&self) -> Result<(), String> {
         let _reclaim = lock(&self.reclaim);
         let ps = self.shared.page_size;
@@ -1194,6 +1202,7 @@ impl<D: Device> Allocator<D> {
             held += bytes;
             *per_pool.entry(pool).or_default() += bytes;
         }
+        allocated += self.check_arenas()?;
         for (&(pool, stream), cell) in &shards {
             let s = lock(&cell.shard);
             s.check_invariants(ps)
@@ -1286,6 +1295,7 @@ impl<D: Device> Allocator<D> {
                 }
             }
         }
+        out.push_str(&self.arena_dump());
         let _ = writeln!(
             out,
             "held {} pages {}",
@@ -1391,6 +1401,7 @@ impl<D: Device> Allocator<D> {
                 }
             }
         }
+        out.extend(self.arena_snapshots());
         out.sort_unstable_by_key(|seg| seg.addr);
         out
     }

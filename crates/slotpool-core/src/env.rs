@@ -50,22 +50,49 @@ impl Budget {
 
     /// Claim `bytes` if the limit allows; false leaves nothing claimed.
     pub fn try_claim(&self, bytes: u64) -> bool {
-        let limit = self.limit();
-        match self
-            .held
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
-                h.checked_add(bytes).filter(|&n| n <= limit)
-            }) {
-            Ok(prev) => {
-                self.peak.fetch_max(prev + bytes, Ordering::Relaxed);
+        match self.claim(bytes) {
+            Some(now) => {
+                self.peak.fetch_max(now, Ordering::Relaxed);
                 true
             }
-            Err(_) => false,
+            None => false,
         }
     }
 
+    /// [`Budget::try_claim`] that leaves the peak alone, for bytes that are held only once a
+    /// later step succeeds (then [`Budget::note_peak`]); released on failure, they never count.
+    pub fn try_claim_quietly(&self, bytes: u64) -> bool {
+        self.claim(bytes).is_some()
+    }
+
+    /// Record the bytes held now in the peak.
+    pub fn note_peak(&self) {
+        self.peak.fetch_max(self.held(), Ordering::Relaxed);
+    }
+
+    /// Add `bytes` within the limit; the new count.
+    fn claim(&self, bytes: u64) -> Option<u64> {
+        let limit = self.limit();
+        self.held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+                h.checked_add(bytes).filter(|&n| n <= limit)
+            })
+            .ok()
+            .map(|prev| prev + bytes)
+    }
+
+    /// Give back `bytes` claimed before. Releasing more than is held is a bug: checked, never
+    /// wrapped (the count stops at 0 and the invariant checker reports the mismatch).
     pub fn release(&self, bytes: u64) {
-        self.held.fetch_sub(bytes, Ordering::Relaxed);
+        let r = self
+            .held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+                Some(h.saturating_sub(bytes))
+            });
+        debug_assert!(
+            r.is_ok_and(|h| h >= bytes),
+            "budget released {bytes} bytes of {r:?}"
+        );
     }
 }
 
