@@ -1,7 +1,8 @@
 /*
  * slotpool.h - the C ABI of slotpool, a CUDA caching memory allocator.
  *
- * Link with -lslotpool (libslotpool.so, SONAME libslotpool.so) or libslotpool.a.
+ * Link with -lslotpool (libslotpool.so, SONAME libslotpool.so.0) or libslotpool.a;
+ * scripts/install.sh installs both with slotpool.pc and a CMake package (slotpool::slotpool).
  * See docs/c-api.md for a guide; this header documents every call.
  *
  * Conventions, for every function below unless it says otherwise:
@@ -24,7 +25,7 @@
  *  - Device pointers are never dereferenced by slotpool. A pointer it did not hand out (a host
  *    pointer, a random address, one already freed, a pointer into the middle of an allocation)
  *    -> SP_ERR_UNKNOWN_POINTER.
- *  - Initialisation: the first call other than sp_version, sp_has_feature,
+ *  - Initialisation: the first call other than sp_version, sp_has_feature, sp_status_name,
  *    sp_last_error_message, sp_string_free, sp_is_initialized and sp_init initialises the library
  *    from the environment (SLOTPOOL_BACKEND, SLOTPOOL_CONF) if sp_init was not called; if that
  *    fails the call returns SP_ERR_NOT_INITIALIZED with the reason.
@@ -55,8 +56,8 @@ typedef enum sp_status {
     /** NULL pointer, zero or absurd (> 2^56) size, unknown device, bad enum value or option. */
     SP_ERR_INVALID_ARGUMENT = 1,
     /** No room on the device, under the memory limit or under a pool limit, even after
-     *  freeing cached memory. The message says how much is reserved, allocated, held by private
-     *  pools and lost to fragmentation. */
+     *  freeing cached memory. The message says how much is reserved and splits it, each byte
+     *  once, into allocated, cached in private pools, and unallocated (cache, fragmentation). */
     SP_ERR_OUT_OF_MEMORY = 2,
     /** Pointer not allocated by slotpool, not the start of an allocation, or already freed. */
     SP_ERR_UNKNOWN_POINTER = 3,
@@ -196,6 +197,12 @@ int sp_has_feature(const char* name);
  *  succeeded. Never NULL. Owned by slotpool: valid until the next sp_* call on this thread;
  *  copy it to keep it. Works after sp_shutdown. */
 const char* sp_last_error_message(void);
+
+/** The name of a status code, as cudaGetErrorName names a CUDA error: "SP_OK",
+ *  "SP_ERR_OUT_OF_MEMORY", ...; "SP_ERR_UNRECOGNIZED" for a value that is no sp_status. Takes an
+ *  int so that any value is defined. A static string: never NULL, never freed. Never
+ *  initialises; works after sp_shutdown. */
+const char* sp_status_name(int status);
 
 /** Initialises the library. Optional: without it, the first call initialises from the
  *  environment. Must come before any other call that initialises.

@@ -6,6 +6,7 @@ mod arena_model;
 mod common;
 mod gc;
 mod model;
+mod oom;
 mod pause;
 mod peaks;
 mod quick;

@@ -21,8 +21,6 @@ import math
 import threading
 from typing import Iterable, NamedTuple
 
-import torch
-
 from . import _loader, _pause
 from ._pause import (
     TorchMemorySaver,
@@ -36,6 +34,7 @@ from ._pause import (
     tag_pool,
     torch_memory_saver,
 )
+from ._torch import TorchMissing, torch  # torch is imported on first use
 
 __all__ = [
     "install",
@@ -58,6 +57,7 @@ __all__ = [
     "RestoreResult",
     "routes",
     "orphan_count",
+    "TorchMissing",
     "pause",
     "resume",
     "paused",
@@ -377,8 +377,11 @@ class Arena:
         self.id = ext.arena_create(self.device, self.pool, self.stream)
         self._alive = True
 
-    def empty(self, branch: int, slot: int, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """An uninitialised tensor at (branch, slot); the slot is freed when the tensor dies."""
+    def empty(self, branch: int, slot: int, shape, dtype=None) -> torch.Tensor:
+        """An uninitialised tensor at (branch, slot) of `dtype` (default torch.float32); the slot
+        is freed when the tensor dies."""
+        if dtype is None:
+            dtype = torch.float32
         shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (int(shape),)
         numel = math.prod(shape)
         itemsize = torch.empty((), dtype=dtype).element_size()

@@ -687,6 +687,8 @@ fn install_logging() {
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
                 .with_writer(std::io::stderr)
+                // Colours only on a terminal: a log piped to a file or a CI log stays plain text.
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .try_init();
         }
     });

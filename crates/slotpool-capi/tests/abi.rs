@@ -860,6 +860,15 @@ fn snapshot_has_pytorch_shape() {
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let traces = v["device_traces"].as_array().unwrap();
     assert_eq!(traces.len(), DEVICES as usize);
+    // The configuration in effect, as text that parses back to it.
+    assert_eq!(v["allocator_settings"]["backend"], "sim", "{text}");
+    let conf = v["allocator_settings"]["conf"].as_str().unwrap();
+    let (config, _) = runtime::parse_conf("", conf).unwrap();
+    assert_eq!(config.to_string(), conf);
+    assert!(
+        conf.starts_with("growth:") && conf.contains("vmm_slack_percent:"),
+        "{conf}"
+    );
     let segments = v["segments"].as_array().unwrap();
     assert!(!segments.is_empty());
     let mut found = 0;

@@ -477,25 +477,27 @@ impl<D: Device> Allocator<D> {
     }
 
     fn oom_report(&self, size: u64, rounded: u64) -> OomReport {
-        let mut allocated = 0;
-        let mut private = 0;
+        let (mut allocated, mut private_reserved, mut private_allocated) = (0, 0, 0);
         for (&(pool, _), cell) in self.all_shards().iter() {
             let s = lock(&cell.shard);
-            allocated += s.stats.allocated_bytes.all().current as u64;
+            let shard_allocated = s.stats.allocated_bytes.all().current as u64;
+            allocated += shard_allocated;
             if !pool.is_default() {
-                private += s.stats.reserved_bytes.all().current as u64;
+                private_reserved += s.stats.reserved_bytes.all().current as u64;
+                private_allocated += shard_allocated;
             }
         }
-        let reserved = self.shared.budget.held();
         OomReport {
             requested: size,
             rounded,
-            reserved,
-            allocated,
-            private_pools: private,
-            fragmentation: reserved.saturating_sub(allocated),
             limit: self.shared.budget.limit(),
             device_free: self.dev.free_memory(),
+            ..OomReport::counting(
+                self.shared.budget.held(),
+                allocated,
+                private_reserved,
+                private_allocated,
+            )
         }
     }
 
