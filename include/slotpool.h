@@ -1,7 +1,8 @@
 /*
  * slotpool.h - the C ABI of slotpool, a CUDA caching memory allocator.
  *
- * Link with -lslotpool (libslotpool.so, SONAME libslotpool.so) or libslotpool.a.
+ * Link with -lslotpool (libslotpool.so, SONAME libslotpool.so.0) or libslotpool.a;
+ * scripts/install.sh installs both with slotpool.pc and a CMake package (slotpool::slotpool).
  * See docs/c-api.md for a guide; this header documents every call.
  *
  * Conventions, for every function below unless it says otherwise:
@@ -24,7 +25,7 @@
  *  - Device pointers are never dereferenced by slotpool. A pointer it did not hand out (a host
  *    pointer, a random address, one already freed, a pointer into the middle of an allocation)
  *    -> SP_ERR_UNKNOWN_POINTER.
- *  - Initialisation: the first call other than sp_version, sp_has_feature,
+ *  - Initialisation: the first call other than sp_version, sp_has_feature, sp_status_name,
  *    sp_last_error_message, sp_string_free, sp_is_initialized and sp_init initialises the library
  *    from the environment (SLOTPOOL_BACKEND, SLOTPOOL_CONF) if sp_init was not called; if that
  *    fails the call returns SP_ERR_NOT_INITIALIZED with the reason.
@@ -55,8 +56,8 @@ typedef enum sp_status {
     /** NULL pointer, zero or absurd (> 2^56) size, unknown device, bad enum value or option. */
     SP_ERR_INVALID_ARGUMENT = 1,
     /** No room on the device, under the memory limit or under a pool limit, even after
-     *  freeing cached memory. The message says how much is reserved, allocated, held by private
-     *  pools and lost to fragmentation. */
+     *  freeing cached memory. The message says how much is reserved and splits it, each byte
+     *  once, into allocated, cached in private pools, and unallocated (cache, fragmentation). */
     SP_ERR_OUT_OF_MEMORY = 2,
     /** Pointer not allocated by slotpool, not the start of an allocation, or already freed. */
     SP_ERR_UNKNOWN_POINTER = 3,
@@ -160,6 +161,24 @@ typedef struct sp_memory_stats {
     sp_stat_array reserved_paused_bytes;
 } sp_memory_stats;
 
+/** The driver calls a device's allocator made, by kind (sp_backend_calls_get). map counts
+ *  pages: a run of n pages mapped at once is n. synchronize counts event and device
+ *  synchronisations. 96 bytes; layout fixed. */
+typedef struct sp_backend_calls {
+    uint64_t alloc_segment;
+    uint64_t free_segment;
+    uint64_t reserve;
+    uint64_t release_reservation;
+    uint64_t create_page;
+    uint64_t release_page;
+    uint64_t map;
+    uint64_t unmap;
+    uint64_t create_event;
+    uint64_t record_event;
+    uint64_t query_event;
+    uint64_t synchronize;
+} sp_backend_calls;
+
 /* ------------------------------------------------------------------------------------------ */
 /* Library                                                                                    */
 
@@ -179,12 +198,18 @@ int sp_has_feature(const char* name);
  *  copy it to keep it. Works after sp_shutdown. */
 const char* sp_last_error_message(void);
 
+/** The name of a status code, as cudaGetErrorName names a CUDA error: "SP_OK",
+ *  "SP_ERR_OUT_OF_MEMORY", ...; "SP_ERR_UNRECOGNIZED" for a value that is no sp_status. Takes an
+ *  int so that any value is defined. A static string: never NULL, never freed. Never
+ *  initialises; works after sp_shutdown. */
+const char* sp_status_name(int status);
+
 /** Initialises the library. Optional: without it, the first call initialises from the
  *  environment. Must come before any other call that initialises.
  *  backend: "cuda", "sim" or "auto" (CUDA if device 0 can be opened, else the simulated
  *           device); NULL = $SLOTPOOL_BACKEND, else "auto".
- *  conf:    "key:value,..." applied over $SLOTPOOL_CONF (conf wins), both over the defaults
- *           "vmm_slack_percent:8,vmm_page_mb:16"; NULL = "". Keys: growth (vmm|classic),
+ *  conf:    "key:value,..." applied over $SLOTPOOL_CONF (conf wins), both over the core's
+ *           defaults (slotpool-core's Config::default()); NULL = "". Keys: growth (vmm|classic),
  *           expandable_segments, max_split_size_mb, max_non_split_rounding_mb,
  *           large_segment_size_mb, roundup_power2_divisions, memory_limit_mb,
  *           per_process_memory_fraction, vmm_reservation_mb, vmm_slack_percent (idle mapped
@@ -386,6 +411,11 @@ sp_status sp_memory_stats_get(int device, sp_memory_stats* out);
  *  bound). A device slotpool has not used reports zeros. Either out-pointer may be NULL.
  *  Errors: SP_ERR_INVALID_ARGUMENT (no such device), SP_ERR_NOT_INITIALIZED. */
 sp_status sp_memory_peaks(int device, uint64_t* allocated_peak, uint64_t* reserved_peak);
+
+/** Writes the backend (driver) calls device's allocator made since it was created, by kind; a
+ *  device slotpool has not used reports zeros. Errors: SP_ERR_INVALID_ARGUMENT (NULL out, no
+ *  such device), SP_ERR_NOT_INITIALIZED. */
+sp_status sp_backend_calls_get(int device, sp_backend_calls* out);
 
 /** Writes the statistics of pool id on device. Errors: SP_ERR_UNKNOWN_POOL. */
 sp_status sp_pool_stats_get(int device, sp_pool_id id, sp_memory_stats* out);

@@ -53,12 +53,14 @@ PYINC=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 PYLIB=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
 PYVER=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('LDVERSION'))")
 OUT=${TORCH_HOST_OUT:-target/torch-host}
-mkdir -p "$OUT"
+mkdir -p "$OUT/lib"
+# The program records the library's SONAME, libslotpool.so.0, which cargo's output lacks.
+[ -e "$SPLIB/libslotpool.so.0" ] || ln -sf "$SPLIB/libslotpool.so" "$OUT/lib/libslotpool.so.0"
 g++ -std=c++17 -O1 -g -D_GLIBCXX_USE_CXX11_ABI=1 -I include -I "$T" -I "$T/torch/csrc/api/include" \
   -I "$CUDA_INC" -I "$PYINC" \
   torch_plugin/csrc/slotpool_allocator.cpp torch_plugin/tests/host_check.cpp \
   -o "$OUT/host_check" \
   -L "$SPLIB" -lslotpool -L "$TLIB" -lc10 -lc10_cuda -L "$CUDA_LIB" "$CUDART" \
   -L "$PYLIB" "-lpython$PYVER" \
-  -Wl,-rpath,"$SPLIB:$TLIB:$CUDA_LIB:$PYLIB"
+  -Wl,-rpath,"$SPLIB:$(cd "$OUT/lib" && pwd):$TLIB:$CUDA_LIB:$PYLIB"
 "$OUT/host_check"

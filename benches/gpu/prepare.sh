@@ -21,6 +21,8 @@ cargo build --release -p slotpool-capi -p slotpool-preload -p slotpool-cli
 cargo build --release -p slotpool-cuda --examples --tests
 mkdir -p "$LIB"
 cp target/release/libslotpool.so target/release/libslotpool_preload.so "$LIB/"
+# Programs linked with -lslotpool load it by its SONAME (a copy: links may not survive the trip).
+cp target/release/libslotpool.so "$LIB/libslotpool.so.0"
 cp target/release/examples/cuda_probe "$LIB/"
 cp target/release/slotpool "$LIB/"
 t=$(ls -t target/release/deps/gpu-* | grep -v '\.d$' | head -1)

@@ -345,6 +345,11 @@ if has torch_host; then
 fi
 
 if has torch; then
+  # The api scenario is the pytest suite torch_plugin/tests. Where pytest is missing and there is
+  # no network, it is installed from .whl/ in the repository (made where there is a network:
+  # python3 -m pip download pytest -d .whl).
+  python3 -c 'import pytest' 2>/dev/null || { [ -d .whl ] &&
+    python3 -m pip install -q --no-index --find-links .whl pytest >"$OUT/pytest_install.log" 2>&1; }
   if [ -f benches/gpu/torch_scenarios.py ]; then
     SLOTPOOL_TORCH_BUILD_DIR=${SLOTPOOL_TORCH_BUILD_DIR:-/tmp/slotpool-torch-ext} OUT=$OUT \
       run torch_scenarios "${TORCH_TIMEOUT:-540}" python3 benches/gpu/torch_scenarios.py ${TORCH_SCENARIOS:-}

@@ -2,6 +2,7 @@
  *
  * Build and run from the repository root, without a GPU (the simulated device):
  *   cargo build --release -p slotpool-capi
+ *   ln -sf libslotpool.so target/release/libslotpool.so.0    # the SONAME the program loads
  *   cc -std=c11 -Iinclude examples/c/pool_checkpoint.c -Ltarget/release -lslotpool \
  *      -Wl,-rpath,"$PWD/target/release" -o pool_checkpoint
  *   SLOTPOOL_BACKEND=sim ./pool_checkpoint

@@ -3,7 +3,8 @@
  * simulated backend. Built and run by crates/slotpool-capi/tests/c_programs.rs:
  *
  *   cc -std=c11 -Wall -Wextra -Werror -Iinclude tests/c/smoke.c -Ltarget/release -lslotpool
- *   SLOTPOOL_BACKEND=sim SLOTPOOL_CONF=sim_devices:2 ./smoke
+ *   ln -sf libslotpool.so target/release/libslotpool.so.0     (the SONAME the program records)
+ *   LD_LIBRARY_PATH=target/release SLOTPOOL_BACKEND=sim SLOTPOOL_CONF=sim_devices:2 ./smoke
  *
  * With SLOTPOOL_TEST_NO_CUDA=1 (set by the runner on machines without a driver) it also checks
  * that sp_init("cuda") fails with SP_ERR_BACKEND_UNAVAILABLE. Exit status 0 = all checks passed.
@@ -76,6 +77,12 @@ static const size_t MiB = (size_t)1 << 20;
 
 static void initialisation(void) {
     int init = -1;
+    /* Status names, as cudaGetErrorName gives them; they never initialise the library. */
+    CHECK(strcmp(sp_status_name(SP_OK), "SP_OK") == 0);
+    CHECK(strcmp(sp_status_name(SP_ERR_OUT_OF_MEMORY), "SP_ERR_OUT_OF_MEMORY") == 0);
+    CHECK(strcmp(sp_status_name(SP_ERR_CONFIG), "SP_ERR_CONFIG") == 0);
+    CHECK(strcmp(sp_status_name(-1), "SP_ERR_UNRECOGNIZED") == 0);
+    CHECK(strcmp(sp_status_name(1000), "SP_ERR_UNRECOGNIZED") == 0);
     OK(sp_is_initialized(&init));
     CHECK(init == 0);
     if (getenv("SLOTPOOL_TEST_NO_CUDA")) {

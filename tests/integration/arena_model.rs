@@ -259,7 +259,8 @@ impl World {
 
     /// Unmapped pages in the device's pool.
     fn pool_pages(&self) -> u64 {
-        self.dev.page_count() as u64 - self.dev.mapped_bytes() / PAGE
+        // (A page may be mapped at several addresses: pooled pages are those mapped nowhere.)
+        self.dev.unmapped_page_count() as u64
     }
 
     /// Whether the growth that `expect` needs fits (before the call): pooled pages first, then

@@ -202,6 +202,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     alloc();
     sp::check(sp_pool_empty_cache(device, pool_of(pool)), "sp_pool_empty_cache");
   });
+  m.def("backend_calls", [](int device) {
+    sp_backend_calls c{};
+    sp::check(sp_backend_calls_get(device, &c), "sp_backend_calls_get");
+    py::dict d;
+    d["alloc_segment"] = c.alloc_segment;
+    d["free_segment"] = c.free_segment;
+    d["reserve"] = c.reserve;
+    d["release_reservation"] = c.release_reservation;
+    d["create_page"] = c.create_page;
+    d["release_page"] = c.release_page;
+    d["map"] = c.map;
+    d["unmap"] = c.unmap;
+    d["create_event"] = c.create_event;
+    d["record_event"] = c.record_event;
+    d["query_event"] = c.query_event;
+    d["synchronize"] = c.synchronize;
+    return d;
+  }, "the driver calls slotpool made on device, by kind (sp_backend_calls_get)");
   // ---- pausing pools ----
   m.def(
       "pool_pause",

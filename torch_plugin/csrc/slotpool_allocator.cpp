@@ -47,25 +47,6 @@ std::atomic<SlotpoolAllocator*> g_instance{nullptr};
 std::shared_ptr<SlotpoolAllocator> g_owner;
 std::mutex g_install_mu;
 
-const char* status_name(sp_status st) {
-  switch (st) {
-    case SP_OK: return "SP_OK";
-    case SP_ERR_INVALID_ARGUMENT: return "SP_ERR_INVALID_ARGUMENT";
-    case SP_ERR_OUT_OF_MEMORY: return "SP_ERR_OUT_OF_MEMORY";
-    case SP_ERR_UNKNOWN_POINTER: return "SP_ERR_UNKNOWN_POINTER";
-    case SP_ERR_UNKNOWN_POOL: return "SP_ERR_UNKNOWN_POOL";
-    case SP_ERR_INVALID_STATE: return "SP_ERR_INVALID_STATE";
-    case SP_ERR_BACKEND_UNAVAILABLE: return "SP_ERR_BACKEND_UNAVAILABLE";
-    case SP_ERR_DEVICE: return "SP_ERR_DEVICE";
-    case SP_ERR_NOT_INITIALIZED: return "SP_ERR_NOT_INITIALIZED";
-    case SP_ERR_SHUTDOWN: return "SP_ERR_SHUTDOWN";
-    case SP_ERR_PANIC: return "SP_ERR_PANIC";
-    case SP_ERR_CONFIG: return "SP_ERR_CONFIG";
-    case SP_ERR_POOL_PAUSED: return "SP_ERR_POOL_PAUSED";
-  }
-  return "SP_ERR_?";
-}
-
 std::string format_size(uint64_t size) {
   char buf[64];
   if (size <= 1024) {
@@ -166,7 +147,7 @@ std::string last_error() {
 
 std::string describe(sp_status st) {
   std::string msg = last_error();
-  std::string out = status_name(st);
+  std::string out = sp_status_name(st);  // the library names its codes
   if (!msg.empty()) {
     out += ": ";
     out += msg;
@@ -944,12 +925,20 @@ CCA::SnapshotInfo SlotpoolAllocator::snapshot(MempoolId_t mempool_id, bool inclu
                            ? static_cast<size_t>(s.max_split_size)
                            : SIZE_MAX;
   cfg.pinned_num_register_threads = 1;
-  cfg.expandable_segments = std::any_of(info.segments.begin(), info.segments.end(),
-                                        [](const auto& x) { return x.is_expandable; });
+  // The configuration in effect, as slotpool reads it ("growth:vmm,...,vmm_page_mb:16"):
+  // PyTorch's snapshot shows it as allocator_settings["PYTORCH_CUDA_ALLOC_CONF"].
+  std::string effective;
+  if (const json::Value* settings = snap.get("allocator_settings")) {
+    effective = settings->str("conf");
+  }
+  cfg.expandable_segments =
+      effective.empty() ? std::any_of(info.segments.begin(), info.segments.end(),
+                                      [](const auto& x) { return x.is_expandable; })
+                        : effective.rfind("growth:vmm", 0) == 0;
   cfg.release_lock_on_malloc = false;
   cfg.pinned_use_host_register = false;
   cfg.graph_capture_record_stream_reuse = false;
-  cfg.last_allocator_settings = "slotpool:" + applied_conf_;
+  cfg.last_allocator_settings = effective.empty() ? applied_conf_ : effective;
   return info;
 }
 

@@ -21,8 +21,6 @@ import math
 import threading
 from typing import Iterable, NamedTuple
 
-import torch
-
 from . import _loader, _pause
 from ._pause import (
     TorchMemorySaver,
@@ -36,6 +34,7 @@ from ._pause import (
     tag_pool,
     torch_memory_saver,
 )
+from ._torch import TorchMissing, torch  # torch is imported on first use
 
 __all__ = [
     "install",
@@ -45,6 +44,7 @@ __all__ = [
     "release_pool",
     "pool_use_count",
     "pool_stats",
+    "backend_calls",
     "empty_pool_cache",
     "use_pool",
     "checkpoint",
@@ -57,6 +57,7 @@ __all__ = [
     "RestoreResult",
     "routes",
     "orphan_count",
+    "TorchMissing",
     "pause",
     "resume",
     "paused",
@@ -84,12 +85,8 @@ def load(verbose: bool = False):
     return _ext
 
 
-# slotpool's defaults, beneath $SLOTPOOL_CONF and conf= (`DEFAULT_CONF` of the C ABI's runtime,
-# which has the reasons): a training step frees and re-allocates most of its memory in a shifting
-# pattern, and a little idle memory per (pool, stream) absorbs the shifts that would otherwise remap
-# pages (captures never keep it); 16 MiB pages make growth 8x cheaper than 2 MiB ones. Kept here
-# for reading only: the library applies them.
-DEFAULT_CONF = "vmm_slack_percent:8,vmm_page_mb:16"
+# slotpool's defaults are the core's (`Config::default()` in slotpool-core), beneath $SLOTPOOL_CONF
+# and conf=: the library applies them, and nothing here repeats them.
 
 
 def install(backend: str | None = "cuda", conf: str | None = None, verbose: bool = False) -> None:
@@ -99,7 +96,7 @@ def install(backend: str | None = "cuda", conf: str | None = None, verbose: bool
     backend: slotpool's backend ("cuda"; None: $SLOTPOOL_BACKEND). conf: slotpool's configuration
     string ("key:value,...", over $SLOTPOOL_CONF, over the keys of PyTorch's PYTORCH_ALLOC_CONF /
     PYTORCH_CUDA_ALLOC_CONF that slotpool shares (max_split_size_mb, roundup_power2_divisions,
-    garbage_collection_threshold, ...), over DEFAULT_CONF).
+    garbage_collection_threshold, ...), over the core's defaults).
     """
     ext = load(verbose=verbose)
     if ext.is_installed():
@@ -188,6 +185,12 @@ def pool_use_count(pool, device=None) -> int:
 def pool_stats(pool, device=None) -> dict:
     """The statistics of one pool, with torch.cuda.memory_stats()'s keys."""
     return dict(_installed_ext().pool_stats(_device(device), _pool(pool)))
+
+
+def backend_calls(device=None) -> dict:
+    """The driver calls slotpool made on a device so far, by kind (create_page, map, unmap, ...;
+    map counts pages). Differences between two steps are that step's driver calls."""
+    return dict(_installed_ext().backend_calls(_device(device)))
 
 
 def empty_pool_cache(pool, device=None) -> None:
@@ -374,8 +377,11 @@ class Arena:
         self.id = ext.arena_create(self.device, self.pool, self.stream)
         self._alive = True
 
-    def empty(self, branch: int, slot: int, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """An uninitialised tensor at (branch, slot); the slot is freed when the tensor dies."""
+    def empty(self, branch: int, slot: int, shape, dtype=None) -> torch.Tensor:
+        """An uninitialised tensor at (branch, slot) of `dtype` (default torch.float32); the slot
+        is freed when the tensor dies."""
+        if dtype is None:
+            dtype = torch.float32
         shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (int(shape),)
         numel = math.prod(shape)
         itemsize = torch.empty((), dtype=dtype).element_size()

@@ -20,7 +20,7 @@ import re
 import sys
 import time
 
-import torch
+from ._torch import require_torch, torch  # imported on first use: finding the library needs no torch
 
 PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 PLUGIN_DIR = os.path.dirname(PKG_DIR)  # torch_plugin/ in a source checkout
@@ -42,25 +42,39 @@ _lib_handle = None
 _lib_path = None
 
 
+# The library's names, in the order looked for in a directory: its SONAME (what an installed
+# prefix and an installed package hold), then cargo's output name.
+LIB_NAMES = ("libslotpool.so.0", "libslotpool.so")
+
+
+def _lib_in(directory: str) -> str | None:
+    for name in LIB_NAMES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 def find_lib() -> str:
-    """Path of libslotpool.so: $SLOTPOOL_LIB (the file or its directory), else next to this
+    """Path of libslotpool: $SLOTPOOL_LIB (the file or its directory), else next to this
     package, else ../../target/release of a source checkout."""
     env = os.environ.get("SLOTPOOL_LIB")
     if env:
-        path = env if os.path.isfile(env) else os.path.join(env, "libslotpool.so")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"slotpool_torch: SLOTPOOL_LIB={env!r}: no libslotpool.so there")
+        path = env if os.path.isfile(env) else (_lib_in(env) if os.path.isdir(env) else None)
+        if path is None:
+            raise FileNotFoundError(
+                f"slotpool_torch: SLOTPOOL_LIB={env!r}: no {' or '.join(LIB_NAMES)} there"
+            )
         return os.path.abspath(path)
-    candidates = [
-        os.path.join(PKG_DIR, "libslotpool.so"),
-        os.path.join(REPO_DIR, "target", "release", "libslotpool.so"),
-    ]
-    for path in candidates:
-        if os.path.isfile(path):
+    dirs = [PKG_DIR, os.path.join(REPO_DIR, "target", "release")]
+    for d in dirs:
+        path = _lib_in(d)
+        if path is not None:
             return path
     raise FileNotFoundError(
         "slotpool_torch: libslotpool.so not found; build it (`cargo build --release -p "
-        "slotpool-capi`) or set SLOTPOOL_LIB. Looked in: " + ", ".join(candidates)
+        "slotpool-capi`), install it (`scripts/install.sh --prefix DIR`, then "
+        "SLOTPOOL_LIB=DIR/lib) or set SLOTPOOL_LIB. Looked in: " + ", ".join(dirs)
     )
 
 
@@ -119,8 +133,26 @@ def default_build_dir() -> str:
     return os.path.join(cache, "slotpool_torch", f"torch-{tag}-py{sys.version_info[0]}{sys.version_info[1]}")
 
 
+def toolkit_problem(cuda_home: str | None) -> str | None:
+    """Why the extension cannot be compiled with the CUDA toolkit at `cuda_home` (what
+    torch.utils.cpp_extension found: $CUDA_HOME, nvcc's directory or /usr/local/cuda), or None.
+    Only CUDA's headers are needed (the sources are C++, no .cu)."""
+    hint = (
+        "set CUDA_HOME to a CUDA toolkit (the one torch was built for: torch.version.cuda), or "
+        "install the prebuilt extension (`pip install --no-build-isolation ./torch_plugin` where a "
+        "toolkit exists)"
+    )
+    if not cuda_home:
+        return f"slotpool_torch: building the extension needs a CUDA toolkit and none was found; {hint}."
+    header = os.path.join(cuda_home, "include", "cuda_runtime_api.h")
+    if not os.path.isfile(header):
+        return f"slotpool_torch: CUDA toolkit at {cuda_home} has no {header}; {hint}."
+    return None
+
+
 def build_jit(verbose: bool = False):
     """Build (or reuse) the extension with torch.utils.cpp_extension.load from torch_plugin/csrc."""
+    from torch.utils import cpp_extension
     from torch.utils.cpp_extension import load
 
     if not all(os.path.isfile(os.path.join(CSRC_DIR, s)) for s in SOURCES):
@@ -128,6 +160,9 @@ def build_jit(verbose: bool = False):
             f"slotpool_torch: no C++ sources at {CSRC_DIR} (not a source checkout) and no installed "
             "extension; install it with `pip install --no-build-isolation ./torch_plugin`."
         )
+    problem = toolkit_problem(cpp_extension.CUDA_HOME)
+    if problem:
+        raise ImportError(problem)
     lib = preload_lib()
     libdir = os.path.dirname(lib)
     include = find_include()
@@ -152,7 +187,8 @@ def build_jit(verbose: bool = False):
                 f"-DSLOTPOOL_TORCH_VERSION_STR={torch.__version__}",
             ],
             extra_include_paths=[include, CSRC_DIR],
-            extra_ldflags=[f"-L{libdir}", "-lslotpool", f"-Wl,-rpath,{libdir}", *SHARED_LIBSTDCXX],
+            # The library by path (either of LIB_NAMES); the extension records its SONAME.
+            extra_ldflags=[lib, f"-Wl,-rpath,{libdir}", *SHARED_LIBSTDCXX],
             build_directory=build_dir,
             with_cuda=True,
             verbose=verbose,
@@ -168,6 +204,7 @@ def build_jit(verbose: bool = False):
 
 def load_extension(verbose: bool = False):
     """The extension module (see the module docstring for the order)."""
+    require_torch()
     if os.environ.get("SLOTPOOL_TORCH_JIT") == "1":
         return build_jit(verbose)
     installed = None

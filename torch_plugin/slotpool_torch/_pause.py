@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import torch
+from ._torch import torch  # imported on first use
 
 _TAG_DEFAULT = "default"
 

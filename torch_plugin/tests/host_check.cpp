@@ -312,6 +312,11 @@ int main() {
                std::string::npos,
            "last_allocator_settings names what was applied: " +
                info.config_metadata.last_allocator_settings);
+    expect(info.config_metadata.last_allocator_settings.rfind("growth:", 0) == 0 &&
+               info.config_metadata.last_allocator_settings.find("vmm_slack_percent:") !=
+                   std::string::npos,
+           "last_allocator_settings is the whole configuration in effect: " +
+               info.config_metadata.last_allocator_settings);
   }
 
   // Nothing recorded before recordHistory.

@@ -1,13 +1,14 @@
 //! slotpool-capi: the C ABI of `include/slotpool.h`, built as `libslotpool.so` (SONAME
-//! `libslotpool.so`), `libslotpool.a` and an rlib (for Rust tests and benches).
+//! `libslotpool.so.0`, see `build.rs`), `libslotpool.a` and an rlib (for Rust tests and benches).
 //!
 //! * [`api`]: the exported `sp_*` functions. Every one runs its body under [`error::ffi`]
 //!   (`catch_unwind`; errors become an [`sp_status`] and a per-thread message).
-//! * [`error`]: the crate's one [`Error`] type and its mapping to status codes.
+//! * [`error`]: the crate's one [`Error`] type, the status codes and their names
+//!   (`sp_status_name`), and the mapping from errors to codes.
 //! * [`runtime`]: the process-wide state (backend, one allocator per device, created lazily),
 //!   initialisation from `sp_init` or from `SLOTPOOL_BACKEND` / `SLOTPOOL_CONF`, and shutdown.
 //! * [`types`]: `#[repr(C)]` mirrors of the header's structs, layout pinned by const asserts.
-//! * [`snapshot`]: the PyTorch-shaped JSON snapshot.
+//! * [`snapshot`]: the PyTorch-shaped JSON snapshot, with the configuration in effect.
 //! * [`pause`]: pausing and resuming pools (physical memory given back, addresses kept).
 //! * [`ipc`]: CUDA IPC of vmm memory (pages exported as file descriptors, and mapped).
 //! * [`sim`]: the bytes of simulated device memory (`sim_bytes:1`), for tests.
@@ -16,6 +17,7 @@
 //! `docs/c-api.md` is the user guide; `slotpool.h` documents every function.
 
 pub mod api;
+pub mod calls;
 pub mod error;
 pub mod graph;
 mod handle;
@@ -28,7 +30,8 @@ pub mod snapshot;
 pub mod types;
 
 pub use api::*;
-pub use error::{Error, sp_status};
+pub use calls::*;
+pub use error::{Error, sp_status, sp_status_name};
 pub use graph::*;
 pub use ipc::*;
 pub use pause::*;

@@ -316,24 +316,13 @@ pub fn split_conf(s: &str) -> (Vec<(String, String)>, String) {
     (sim, rest.join(","))
 }
 
-/// What programs get beneath `SLOTPOOL_CONF` and `sp_init`'s `conf`: some idle mapped memory
-/// (8% of live bytes) instead of moving pages whenever the allocation pattern shifts, and 16 MiB
-/// vmm pages (growth costs about the same per driver call whatever the page size). Measured on the
-/// H200 (docs/performance.md, "LD_PRELOAD"): PyTorch's gpt2_train under LD_PRELOAD took 84 ms a
-/// step with neither, 64 ms with both (PyTorch's own allocator: 63 ms), and peak reserved stayed
-/// below PyTorch's. `vmm_slack_percent:0,vmm_page_mb:2` makes physical memory follow live bytes exactly.
-pub const DEFAULT_CONF: &str = "vmm_slack_percent:8,vmm_page_mb:16";
-
-/// [`DEFAULT_CONF`], with `SLOTPOOL_CONF` applied over it and `conf` over both (so `conf` wins),
-/// and the sim options of all three. Nothing is applied unless everything parses.
+/// The core's defaults ([`Config::default`], the one set every program and the replay start
+/// from), with `SLOTPOOL_CONF` applied over them and `conf` over both (so `conf` wins), and the
+/// sim options of both. Nothing is applied unless everything parses.
 pub fn parse_conf(env_conf: &str, conf: &str) -> Result<(Config, SimOptions)> {
     let mut sim = SimOptions::default();
     let mut config = Config::default();
-    for (source, text) in [
-        ("defaults", DEFAULT_CONF),
-        (ENV_CONF, env_conf),
-        ("conf", conf),
-    ] {
+    for (source, text) in [(ENV_CONF, env_conf), ("conf", conf)] {
         let (sim_pairs, rest) = split_conf(text);
         for (k, v) in sim_pairs {
             sim.set(&k, &v)
@@ -698,6 +687,8 @@ fn install_logging() {
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
                 .with_writer(std::io::stderr)
+                // Colours only on a terminal: a log piped to a file or a CI log stays plain text.
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .try_init();
         }
     });
@@ -799,16 +790,19 @@ mod tests {
     #[test]
     fn defaults_lie_beneath_the_environment_and_conf() {
         let (c, _) = parse_conf("", "").unwrap();
-        assert_eq!(c.vmm_slack_percent, 8.0);
-        assert_eq!(c.vmm_page_size, Some(16 * MIB));
-        let (c, _) = parse_conf("vmm_slack_percent:0", "").unwrap();
         assert_eq!(
-            c.vmm_slack_percent, 0.0,
+            c,
+            Config::default(),
+            "programs start from the core's defaults"
+        );
+        let (c, _) = parse_conf("vmm_slack_percent:8", "").unwrap();
+        assert_eq!(
+            c.vmm_slack_percent, 8.0,
             "the environment wins over the defaults"
         );
         assert_eq!(
             c.vmm_page_size,
-            Some(16 * MIB),
+            Config::default().vmm_page_size,
             "and keeps the ones it does not name"
         );
         let (c, _) = parse_conf("vmm_page_mb:4", "vmm_page_mb:2").unwrap();

@@ -91,6 +91,11 @@ pub fn snapshot_json(rt: &Runtime, device: Option<usize>) -> String {
     json!({
         "segments": segments,
         "device_traces": traces,
+        "allocator_settings": {
+            "backend": rt.kind.name(),
+            // Every setting, as `key:value,...` (`Config`'s Display): parses back to the same.
+            "conf": rt.config.to_string(),
+        },
     })
     .to_string()
 }

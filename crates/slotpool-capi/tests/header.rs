@@ -213,8 +213,8 @@ fn exported_symbols_are_exactly_the_header_functions() {
     if have_tool("readelf") {
         let out = Command::new("readelf").arg("-d").arg(&so).output().unwrap();
         assert!(
-            String::from_utf8_lossy(&out.stdout).contains("Library soname: [libslotpool.so]"),
-            "SONAME missing"
+            String::from_utf8_lossy(&out.stdout).contains("Library soname: [libslotpool.so.0]"),
+            "SONAME is not libslotpool.so.0"
         );
     }
 }
@@ -286,4 +286,28 @@ fn comment_stripping_and_name_scan() {
         names.into_iter().collect::<Vec<_>>(),
         vec!["sp_a".to_string(), "sp_c".to_string()]
     );
+}
+
+#[test]
+fn status_codes_and_names_match_the_header() {
+    // The header's `typedef enum sp_status { ... }` against the one list of codes in error.rs,
+    // which sp_status_name's names come from.
+    let hand = strip_comments(&std::fs::read_to_string(header_path()).unwrap());
+    let start = hand
+        .find("typedef enum sp_status {")
+        .expect("sp_status in slotpool.h");
+    let body = &hand[start..start + hand[start..].find('}').unwrap()];
+    let declared: Vec<(String, i32)> = body
+        .split(['{', ','])
+        .filter_map(|item| {
+            let (name, value) = item.split_once('=')?;
+            Some((name.trim().to_string(), value.trim().parse().unwrap()))
+        })
+        .collect();
+    let named: Vec<(String, i32)> = slotpool::error::STATUS_NAMES
+        .iter()
+        .map(|(code, name)| (name.to_str().unwrap().to_string(), *code as i32))
+        .collect();
+    assert_eq!(declared, named, "slotpool.h's sp_status vs error.rs");
+    assert!(declared.len() >= 12, "{declared:?}");
 }

@@ -399,10 +399,15 @@ fn shutdown_while_other_threads_allocate() {
 
 #[test]
 fn slotpool_log_turns_logging_on_and_only_then() {
-    let loud = run_child("logging", &[("SLOTPOOL_LOG", "info")]);
+    let loud = run_child("logging", &[("SLOTPOOL_LOG", "debug")]);
     let stderr = String::from_utf8_lossy(&loud.stderr);
     assert!(stderr.contains("slotpool initialised"), "{stderr}");
     assert!(stderr.contains("slotpool shut down"), "{stderr}");
+    // stderr is a pipe here, not a terminal: no ANSI colour or style codes in the log.
+    assert!(
+        !stderr.contains('\x1b'),
+        "escape codes in a piped log: {stderr:?}"
+    );
     let quiet = run_child("logging", &[]);
     let stderr = String::from_utf8_lossy(&quiet.stderr);
     assert!(!stderr.contains("slotpool initialised"), "{stderr}");

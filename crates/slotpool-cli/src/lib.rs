@@ -8,6 +8,7 @@
 //! - [`plot`]: draw a report's timeline as an SVG.
 //! - [`model`]: [`ModelTarget`], a toy best-fit allocator used to test the driver.
 
+pub mod driver_time;
 pub mod help;
 pub mod model;
 pub mod pickle;
@@ -20,6 +21,7 @@ pub mod trace;
 pub mod trace_timeline;
 pub mod variants;
 
+pub use driver_time::DriverTime;
 pub use model::{ModelMode, ModelTarget};
 pub use replay::{ReplayError, ReplayOptions, ReplayReport, ReplayTarget, replay};
 pub use target::SlotpoolTarget;

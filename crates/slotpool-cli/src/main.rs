@@ -366,7 +366,7 @@ fn print_table(r: &ReplayReport) {
             "-".to_string()
         }
     };
-    let rows = [
+    let mut rows = vec![
         ("trace", r.trace.clone()),
         ("mode", r.mode.clone()),
         (
@@ -393,6 +393,7 @@ fn print_table(r: &ReplayReport) {
             format!("{} (p99 {})", r.ns_per_free, r.ns_per_free_p99),
         ),
     ];
+    rows.extend(slotpool_cli::driver_time::table_rows(r));
     let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     for (k, v) in rows {
         println!("{k:<width$}  {v}");

@@ -11,6 +11,7 @@
 //! `duplicate_allocs` and the old block is freed first. An error from the target (out of memory)
 //! stops the replay with a [`ReplayError`] naming the trace and the event's place.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Instant;
 
@@ -18,6 +19,7 @@ use rustc_hash::FxHashMap;
 use serde::Serialize;
 use thiserror::Error;
 
+use crate::driver_time::{DriverTime, calls_since};
 use crate::trace::{Action, Location, Trace, TraceFormat};
 use crate::trace_timeline::{TraceTimeline, TraceTimelineRecorder};
 
@@ -33,6 +35,10 @@ pub trait ReplayTarget {
     fn backend_calls(&self) -> Vec<(String, u64)> {
         Vec::new()
     }
+    /// The physical page size of the target's device, for [`DriverTime`] (2 MiB unless told).
+    fn page_size(&self) -> u64 {
+        2 << 20
+    }
 }
 
 impl<T: ReplayTarget + ?Sized> ReplayTarget for Box<T> {
@@ -47,6 +53,9 @@ impl<T: ReplayTarget + ?Sized> ReplayTarget for Box<T> {
     }
     fn backend_calls(&self) -> Vec<(String, u64)> {
         (**self).backend_calls()
+    }
+    fn page_size(&self) -> u64 {
+        (**self).page_size()
     }
 }
 
@@ -135,8 +144,17 @@ pub struct ReplayReport {
     pub ns_per_free: u64,
     /// 99th percentile of the host time of one target `alloc` call, ns.
     pub ns_per_alloc_p99: u64,
-    /// Backend calls during the replay (segment, page, map and event calls), by name.
-    pub backend_calls: std::collections::BTreeMap<String, u64>,
+    /// Backend calls during the replay (segment, page, map and event calls), by name; one `map`
+    /// per page mapped.
+    pub backend_calls: BTreeMap<String, u64>,
+    /// The backend calls made while the second half of the trace's events replayed (the steady
+    /// state of a training loop), by name.
+    pub backend_calls_second_half: BTreeMap<String, u64>,
+    /// Modeled driver time of [`ReplayReport::backend_calls`] at the H200's per-call costs
+    /// ([`crate::driver_time`]), split into growth to a new peak and churn.
+    pub driver_time: DriverTime,
+    /// The same for [`ReplayReport::backend_calls_second_half`].
+    pub driver_time_second_half: DriverTime,
     /// 99th percentile of the host time of one target `free` call, ns.
     pub ns_per_free_p99: u64,
     /// Wall time of the whole replay loop, ms.
@@ -300,8 +318,10 @@ pub fn replay<T: ReplayTarget + ?Sized>(
     let mut op = 0u64;
     let trace_name = || trace.source.clone();
 
+    let mut half = HalfMark::new(trace.events.len());
     let started = Instant::now();
-    for e in &trace.events {
+    for (i, e) in trace.events.iter().enumerate() {
+        half.observe(i, &*target, peak_reserved);
         if e.action == Action::Alloc {
             if let Some(old) = live.remove(&e.addr) {
                 duplicate_allocs += 1;
@@ -389,8 +409,13 @@ pub fn replay<T: ReplayTarget + ?Sized>(
     } else {
         torch_peak_reserved as f64 / torch_peak_alloc as f64
     };
+    let (backend_calls, backend_calls_second_half, driver_time, driver_time_second_half) =
+        half.finish(&*target, peak_reserved);
     Ok(ReplayReport {
-        backend_calls: target.backend_calls().into_iter().collect(),
+        backend_calls,
+        backend_calls_second_half,
+        driver_time,
+        driver_time_second_half,
         trace: trace.name(),
         source: trace.source.clone(),
         format: trace.format,
@@ -417,6 +442,51 @@ pub fn replay<T: ReplayTarget + ?Sized>(
         timeline: timeline.finish(),
         trace_timeline: trace_timeline.finish(op),
     })
+}
+
+/// The backend calls and the peak of physical memory when the second half of a trace's events
+/// begins, for the second half's figures.
+struct HalfMark {
+    at: usize,
+    calls: Option<BTreeMap<String, u64>>,
+    peak: u64,
+}
+
+impl HalfMark {
+    fn new(events: usize) -> Self {
+        HalfMark {
+            at: events / 2,
+            calls: None,
+            peak: 0,
+        }
+    }
+
+    /// Before event `i` replays: take the mark at the half.
+    fn observe<T: ReplayTarget + ?Sized>(&mut self, i: usize, target: &T, peak_reserved: u64) {
+        if i == self.at && self.calls.is_none() {
+            self.calls = Some(target.backend_calls().into_iter().collect());
+            self.peak = peak_reserved;
+        }
+    }
+
+    /// (every call, the second half's calls, and their driver times).
+    fn finish<T: ReplayTarget + ?Sized>(
+        self,
+        target: &T,
+        peak_reserved: u64,
+    ) -> (
+        BTreeMap<String, u64>,
+        BTreeMap<String, u64>,
+        DriverTime,
+        DriverTime,
+    ) {
+        let all: BTreeMap<String, u64> = target.backend_calls().into_iter().collect();
+        let second = calls_since(&all, &self.calls.unwrap_or_else(|| all.clone()));
+        let ps = target.page_size();
+        let time = DriverTime::of(&all, peak_reserved, ps);
+        let time_second = DriverTime::of(&second, peak_reserved.saturating_sub(self.peak), ps);
+        (all, second, time, time_second)
+    }
 }
 
 #[cfg(test)]

@@ -74,4 +74,8 @@ impl ReplayTarget for SlotpoolTarget {
             .filter(|(_, n)| *n > 0)
             .collect()
     }
+
+    fn page_size(&self) -> u64 {
+        slotpool_core::Device::page_size(&*self.dev)
+    }
 }

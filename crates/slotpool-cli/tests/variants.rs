@@ -140,12 +140,12 @@ fn retention_floor_counts_a_capture_pool_at_its_high_water_mark() {
 
 /// The shared-capture-pool scenario recorded on the H200 (benches/gpu/record_seed.py, 12 layers):
 /// what captured graphs keep puts a floor under reserved memory at 1.13x peak allocated; slotpool,
-/// configured as slotpool_torch installs it, stays within 3% of that floor.
+/// at the defaults every program starts from, stays within 3% of that floor.
 #[test]
 fn recorded_seed_trace_stays_near_its_retention_floor() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../benches/traces");
     let trace = slotpool_cli::read_trace(format!("{dir}/seed_shared.trace.csv.gz")).unwrap();
-    let config = slotpool_core::Config::parse("vmm_slack_percent:8,vmm_page_mb:16").unwrap();
+    let config = slotpool_core::Config::default();
     let r =
         slotpool_cli::variants::replay_variants_with(&trace, VariantMode::Shared, config).unwrap();
     let floor = r.retention_floor.unwrap();

@@ -96,6 +96,8 @@ thread_local! {
 pub struct Allocator<D: Device> {
     pub(crate) uid: u64,
     pub(crate) dev: Arc<D>,
+    /// The same device, its calls counted: what the shards call ([`Allocator::backend_calls`]).
+    pub(crate) counted: crate::counted::Counted,
     pub(crate) config: Config,
     /// What the shards of this device share (budget, page and event pools, the trace).
     pub(crate) shared: Shared,
@@ -169,6 +171,7 @@ impl<D: Device> Allocator<D> {
                 vmm_slack_base: config.vmm_slack_base,
                 gc_threshold: config.gc_threshold,
             },
+            counted: crate::counted::Counted::new(dev.clone()),
             dev,
             config,
             arenas: Mutex::new(FxHashMap::default()),
@@ -238,13 +241,18 @@ impl<D: Device> Allocator<D> {
         self.shared.budget.held()
     }
 
+    /// The backend calls this allocator made so far, by kind (arenas' own calls aside).
+    pub fn backend_calls(&self) -> crate::BackendCalls {
+        self.counted.calls()
+    }
+
     pub(crate) fn capture_underway(&self) -> bool {
         self.captures_active.load(Ordering::Acquire) > 0
     }
 
     pub(crate) fn env<'a>(&'a self, pool_budget: &'a Budget) -> Env<'a> {
         Env {
-            dev: &*self.dev,
+            dev: &self.counted,
             shared: &self.shared,
             pool_budget,
             capture_underway: self.capture_underway(),
@@ -462,7 +470,7 @@ impl<D: Device> Allocator<D> {
         }
         // 3. Every unused cached byte on the device (never during a capture).
         if !self.capture_underway() {
-            let synced = self.dev.synchronize().is_ok();
+            let synced = self.counted.synchronize().is_ok();
             self.release_all_cached(synced, true);
             self.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
             match attempt(&cell) {
@@ -483,25 +491,27 @@ impl<D: Device> Allocator<D> {
     }
 
     fn oom_report(&self, size: u64, rounded: u64) -> OomReport {
-        let mut allocated = 0;
-        let mut private = 0;
+        let (mut allocated, mut private_reserved, mut private_allocated) = (0, 0, 0);
         for (&(pool, _), cell) in self.all_shards().iter() {
             let s = lock(&cell.shard);
-            allocated += s.stats.allocated_bytes.all().current as u64;
+            let shard_allocated = s.stats.allocated_bytes.all().current as u64;
+            allocated += shard_allocated;
             if !pool.is_default() {
-                private += s.stats.reserved_bytes.all().current as u64;
+                private_reserved += s.stats.reserved_bytes.all().current as u64;
+                private_allocated += shard_allocated;
             }
         }
-        let reserved = self.shared.budget.held();
         OomReport {
             requested: size,
             rounded,
-            reserved,
-            allocated,
-            private_pools: private,
-            fragmentation: reserved.saturating_sub(allocated),
             limit: self.shared.budget.limit(),
             device_free: self.dev.free_memory(),
+            ..OomReport::counting(
+                self.shared.budget.held(),
+                allocated,
+                private_reserved,
+                private_allocated,
+            )
         }
     }
 
@@ -1076,7 +1086,7 @@ impl<D: Device> Allocator<D> {
     /// graphs may touch it) and release the rest.
     pub fn empty_cache(&self) {
         let reclaim = lock(&self.reclaim);
-        let synced = !self.capture_underway() && self.dev.synchronize().is_ok();
+        let synced = !self.capture_underway() && self.counted.synchronize().is_ok();
         self.release_all_cached(synced, false);
         self.release_page_pool();
         self.forget_freeable_pools(&reclaim);
@@ -1088,7 +1098,7 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::UnknownPool(pool));
         }
         let reclaim = lock(&self.reclaim);
-        let synced = !self.capture_underway() && self.dev.synchronize().is_ok();
+        let synced = !self.capture_underway() && self.counted.synchronize().is_ok();
         for cell in self.pool_shards(pool) {
             self.release_on(pool, &cell, synced, false);
         }
@@ -1115,7 +1125,7 @@ impl<D: Device> Allocator<D> {
             return;
         }
         for page in self.shared.pages.drain() {
-            if self.dev.release_page(page).is_ok() {
+            if self.counted.release_page(page).is_ok() {
                 self.shared.budget.release(self.shared.page_size);
             } else {
                 self.shared.pages.put(page);
@@ -1442,7 +1452,8 @@ impl<D: Device> Allocator<D> {
                         let pages = seg.size.div_ceil(ps) as usize;
                         for p in 0..=pages {
                             // A paused page is shown where it was, as a paused run.
-                            let mapped = p < pages && (pt.is_mapped(p) || s.is_paused_page(sid, p));
+                            let mapped =
+                                p < pages && (pt.shows_page(p) || s.is_paused_page(sid, p));
                             match (mapped, start) {
                                 (true, None) => start = Some(p),
                                 (false, Some(a)) => {
@@ -1497,6 +1508,9 @@ pub(crate) fn shard_error(e: ShardError) -> AllocError {
         ShardError::NotVmm => AllocError::InvalidState("not a vmm segment".into()),
         ShardError::PageNotMapped => AllocError::InvalidState("page not mapped".into()),
         ShardError::Retired => AllocError::InvalidState("the shard was forgotten".into()),
+        ShardError::StaleDuringCapture => {
+            AllocError::InvalidState("a page slot must be unmapped during a capture".into())
+        }
         ShardError::Paused => AllocError::InvalidState("the pool is paused".into()),
     }
 }

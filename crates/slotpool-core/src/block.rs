@@ -188,7 +188,11 @@ pub struct PageTable {
     /// Bit p set when page p is mapped and graph-retained.
     pub retained_bits: Vec<u64>,
     pub idle_count: usize,
+    /// Slots with a page mapped (a page mapped at several slots counts at each).
     pub mapped_count: usize,
+    /// Which slots each physical page is mapped at ([`crate::alias`]; boxed: a segment's kind
+    /// stays small).
+    pub alias: Box<crate::alias::Aliases>,
 }
 
 /// The bits of word `w` of a page bitmap that fall in pages [first, end).

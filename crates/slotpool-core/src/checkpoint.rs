@@ -447,9 +447,13 @@ impl Shard {
     /// if a later step fails, which keeps the state consistent.
     pub(crate) fn restore_map(&mut self, env: &Env<'_>, plan: &Plan) -> Result<(), ShardError> {
         let pages = PageWork::new(env.page_size(), Vec::new());
+        // The pages each re-created block takes, so that no two of them (in slots that alias
+        // one page) are given the same one: none of them is live yet.
+        let mut taken = rustc_hash::FxHashMap::default();
         for e in &plan.created {
             // Most ranges are mapped already (blocks that were live, then freed and not yet
-            // unmapped): check them here instead of through `map_range`, which divides.
+            // unmapped), each page to its slot alone: check them here instead of through
+            // `map_range`, which divides.
             let (seg, addr, size) = (e.segment(), e.addr, e.size);
             let s = &self.segments[seg];
             let SegmentKind::Vmm(pt) = &s.kind else {
@@ -460,10 +464,11 @@ impl Shard {
                 .handle
                 .get(first..end)
                 .is_some_and(|h| h.iter().all(Option::is_some))
+                && !pt.any_shared(first, end)
             {
                 continue;
             }
-            self.map_range(env, seg, addr, size, false)?;
+            self.map_slots(env, seg, first, end, false, &mut taken)?;
         }
         Ok(())
     }

@@ -26,15 +26,17 @@ pub struct Config {
     pub memory_fraction: Option<f64>,
     /// Size of each vmm reservation (`None`: the device's total memory).
     pub vmm_reservation: Option<u64>,
-    /// Idle mapped memory a vmm shard keeps before moving idle pages, in percent of its live
-    /// bytes (0, the default: physical memory follows live bytes; ~8 removes page remapping on
-    /// training loops at ~1.07x reserved/allocated, what PyTorch's expandable segments hold).
+    /// Idle mapped memory a vmm shard keeps before aliasing or moving idle pages, in percent of
+    /// its live bytes (0, the default: physical memory follows live bytes, and page aliasing
+    /// keeps a training loop's steady state free of page calls; a percentage prefers new pages
+    /// within it, at that much more memory).
     pub vmm_slack_percent: f64,
     /// Idle mapped memory a vmm shard keeps on top of `vmm_slack_percent`, whatever its live
     /// bytes (default 64 MiB; only while the percentage is set). A workload with little live
     /// memory and large blocks of shifting sizes moves pages unless this covers a few blocks.
     pub vmm_slack_base: u64,
-    /// Physical page size of vmm growth (`None`: the device's granularity, 2 MiB). Growth costs
+    /// Physical page size of vmm growth (default [`DEFAULT_VMM_PAGE`]; `None`: the device's
+    /// granularity, 2 MiB). Growth costs
     /// about the same per driver call whatever the page size (H200: ~33 us to create, map and
     /// open a page of 2 to 128 MiB), so larger pages make growth proportionally cheaper, at the
     /// price of coarser physical accounting. A property of the device: applied where the
@@ -48,6 +50,15 @@ pub struct Config {
     pub gc_threshold: Option<f64>,
 }
 
+/// The vmm page size every program starts from ([`Config::default`]): 4 MiB. With page
+/// aliasing ([`crate::alias`]) a training loop makes no page call after its first iterations at
+/// any page size, and 4 MiB pages halve the first iterations' growth calls and the stale slots a
+/// shifting pattern leaves against the device's 2 MiB, for 0.1-0.2% more memory in rounding
+/// (docs/design.md, "Memory at the program defaults").
+pub const DEFAULT_VMM_PAGE: u64 = 4 * MIB;
+
+/// The one set of defaults: `Config::default()` is what the replay without `--conf`, the C ABI,
+/// `LD_PRELOAD` and `slotpool_torch` start from (configuration strings apply over it, key by key).
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -58,7 +69,7 @@ impl Default for Config {
             vmm_reservation: None,
             vmm_slack_percent: 0.0,
             vmm_slack_base: 64 * MIB,
-            vmm_page_size: None,
+            vmm_page_size: Some(DEFAULT_VMM_PAGE),
             gc_threshold: None,
         }
     }
@@ -430,7 +441,7 @@ mod tests {
             Config::parse("vmm_page_mb:8").unwrap().vmm_page_size,
             Some(8 * MIB)
         );
-        assert_eq!(Config::default().vmm_page_size, None);
+        assert_eq!(Config::default().vmm_page_size, Some(DEFAULT_VMM_PAGE));
         assert_eq!(Config::default().vmm_slack_base, 64 * MIB);
         assert_eq!(
             Config::parse("vmm_slack_base_mb:256")

@@ -86,7 +86,9 @@ pub type DeviceResult<T> = Result<T, DeviceError>;
 ///
 /// 1. `free_segment` only receives addresses returned by `alloc_segment`, once each.
 /// 2. `map` only maps a page into a reserved range, at a multiple of [`Device::page_size`], where
-///    nothing is mapped; `unmap` only unmaps what `map` mapped.
+///    nothing is mapped; `unmap` only unmaps what `map` mapped. A page may be mapped at several
+///    addresses at once (an alias: its bytes are the same at each, see `slotpool_core::alias`);
+///    `release_page` only releases a page that is mapped nowhere.
 /// 3. Events are destroyed only when no longer recorded-and-awaited.
 /// 4. During capture of any stream, the allocator calls no `query_event`, `synchronize_event` or
 ///    `record_event` on a capturing stream, and calls `alloc_segment` / `map` only through a backend

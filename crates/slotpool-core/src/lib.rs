@@ -19,12 +19,14 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod alias;
 pub mod allocator;
 pub mod arena;
 pub mod block;
 mod block_slab;
 pub mod checkpoint;
 pub mod config;
+mod counted;
 pub mod device;
 pub mod env;
 pub mod error;
@@ -48,6 +50,7 @@ pub use allocator::{Allocator, MAX_REQUEST, SharedPages};
 pub use arena::{ArenaId, ArenaReport, Overlap};
 pub use checkpoint::{Checkpoint, RestoreDelta, RestoreDiff};
 pub use config::{Config, ConfigError, GrowthMode};
+pub use counted::BackendCalls;
 pub use device::{
     CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostBuffer,
     PageHandle, StreamId,

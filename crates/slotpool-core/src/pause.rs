@@ -181,9 +181,13 @@ impl Shard {
         let mut unreleased = 0;
         for p in pages {
             let small = self.segments[p.seg].small;
+            // A page mapped at several slots (an alias, see `alias.rs`) leaves with its last
+            // slot; each slot is resumed with a page of its own.
             match self.unmap_page(env, p.seg, p.page) {
-                Ok(h) => {
-                    give_back(env, h);
+                Ok(left) => {
+                    if let Some(h) = left {
+                        give_back(env, h);
+                    }
                     self.stats.reserved_paused_bytes.inc(small, ps as i64);
                     kept.push(p);
                 }
@@ -234,7 +238,7 @@ impl Shard {
         for p in &pause.pages {
             let mapped =
                 matches!(&self.segments[p.seg].kind, SegmentKind::Vmm(pt) if pt.is_mapped(p.page));
-            if mapped && let Ok(h) = self.unmap_page(env, p.seg, p.page) {
+            if mapped && let Ok(Some(h)) = self.unmap_page(env, p.seg, p.page) {
                 give_back(env, h);
             }
         }

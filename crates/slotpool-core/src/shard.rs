@@ -4,6 +4,8 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use rustc_hash::FxHashMap;
+
 use crate::block_slab::BlockSlab;
 use crate::id_slab::IdSlab;
 use crate::live_map::{LiveEntry, LiveMap};
@@ -39,6 +41,9 @@ pub enum ShardError {
     /// The allocator forgot this shard (it was empty; see `Shard::retired`); the caller looks
     /// its (pool, stream) up again.
     Retired,
+    /// The range needs a stale page slot unmapped (see [`crate::alias`]) while a capture is
+    /// underway, when unmapping is illegal: the allocation is served from a new reservation.
+    StaleDuringCapture,
     /// The shard's pool is paused: nothing is handed out until it is resumed.
     Paused,
 }
@@ -86,6 +91,10 @@ pub struct Released {
 ///     segment, unmapped, with its own stretch of the host backup if there is one; the quick
 ///     cache is empty and off; `reserved_paused_bytes` counts the listed pages. Not paused:
 ///     `reserved_paused_bytes` is 0.
+/// 11. vmm page aliasing ([`crate::alias`]): every mapped slot is listed once under its
+///     physical page; a physical page backs at most one occupied slot (live blocks over it, or
+///     graph-retained); no two non-free blocks reach the same byte of a physical page through
+///     any of its slots; `reserved_bytes` counts each physical page once.
 #[derive(Debug)]
 pub struct Shard {
     pub pool: PoolId,
@@ -454,22 +463,31 @@ impl Shard {
         }
         let small = policy::is_small(rounded);
         self.free_searches += 1;
+        let mut stale = false;
         if let Some(id) = self.find_free(env, rounded, small)
             && (self.quick.is_empty() || !self.needs_pages(env, id, rounded))
         {
-            return self.take_block(env, id, rounded, requested);
+            match self.take_block(env, id, rounded, requested) {
+                Err(ShardError::StaleDuringCapture) => stale = true,
+                r => return r,
+            }
         }
-        if !self.quick.is_empty() {
+        if !self.quick.is_empty() && !stale {
             // Physical growth only once nothing cached could serve: merge the cache back first.
             self.flush_quick(env);
             if let Some(id) = self.find_free(env, rounded, small) {
-                return self.take_block(env, id, rounded, requested);
+                match self.take_block(env, id, rounded, requested) {
+                    Err(ShardError::StaleDuringCapture) => stale = true,
+                    r => return r,
+                }
             }
         }
         if let Some(threshold) = env.gc_threshold {
             self.collect_garbage(env, threshold);
         }
-        let id = self.grow(env, rounded, small)?;
+        // A best fit whose page slots need unmapping during a capture: a reservation of just
+        // the request's pages serves it instead (released once it is empty and unmapped).
+        let id = self.grow(env, rounded, small, stale)?;
         match self.take_block(env, id, rounded, requested) {
             Ok(r) => Ok(r),
             Err(e) => {
@@ -511,7 +529,13 @@ impl Shard {
     }
 
     /// Add a segment big enough for `rounded` bytes; returns its one free block.
-    fn grow(&mut self, env: &Env<'_>, rounded: u64, small: bool) -> Result<BlockId, ShardError> {
+    fn grow(
+        &mut self,
+        env: &Env<'_>,
+        rounded: u64,
+        small: bool,
+        exact: bool,
+    ) -> Result<BlockId, ShardError> {
         let growth = if self.vmm_for(env, small) {
             GrowthMode::Vmm
         } else {
@@ -542,7 +566,12 @@ impl Shard {
             }
             GrowthMode::Vmm => {
                 let ps = env.page_size();
-                let size = env.vmm_reservation.max(rounded).div_ceil(ps) * ps;
+                let want = if exact {
+                    rounded
+                } else {
+                    env.vmm_reservation.max(rounded)
+                };
+                let size = want.div_ceil(ps) * ps;
                 let addr = env.dev.reserve(size)?;
                 (addr, size, SegmentKind::Vmm(PageTable::default()))
             }
@@ -937,11 +966,11 @@ impl Shard {
     fn needs_pages(&self, env: &Env<'_>, id: BlockId, rounded: u64) -> bool {
         let b = &self.blocks[id];
         let seg = &self.segments[b.segment];
-        let SegmentKind::Vmm(pt) = &seg.kind else {
+        if !seg.is_vmm() {
             return false;
-        };
+        }
         let (first, end) = Self::page_range(env.page_size(), seg.addr, b.addr, rounded);
-        (first..end).any(|p| !pt.is_mapped(p))
+        !self.slots_ready(b.segment, first, end)
     }
 
     /// Merge block `b` into its predecessor `a`; returns `a`.
@@ -989,9 +1018,12 @@ impl Shard {
         }
     }
 
-    /// Map every unmapped page under [addr, addr+size). Idle pages under the range are reused in
-    /// place; others come from the device pool, from this shard's idle pages elsewhere, or are
-    /// created. On error nothing changed.
+    /// Back every page slot under [addr, addr+size) with a physical page of its own. A slot
+    /// mapped to a page that backs no other occupied slot is used as it is (no driver call);
+    /// a stale slot (its page backs another occupied slot, see [`crate::alias`]) is unmapped
+    /// first. Pages come from the device pool, as an alias of an idle page of this reservation,
+    /// from this shard's other reservations, or are created. On error nothing changed but stale
+    /// slots left unmapped.
     pub(crate) fn map_range(
         &mut self,
         env: &Env<'_>,
@@ -1000,109 +1032,216 @@ impl Shard {
         size: u64,
         allow_reclaim: bool,
     ) -> Result<(), ShardError> {
-        let ps = env.page_size();
         let seg_addr = self.segments[seg].addr;
         let (first, end) = Self::page_range(env.page_size(), seg_addr, addr, size);
-        let missing: Vec<usize> = {
+        {
             let SegmentKind::Vmm(pt) = &self.segments[seg].kind else {
                 return Ok(());
             };
-            // Mapped already: the common case of every large allocation, answered without
-            // building the list.
+            // Mapped already, each page to this slot alone: the common case of every large
+            // allocation, answered without building a list.
             if pt
                 .handle
                 .get(first..end)
                 .is_some_and(|h| h.iter().all(Option::is_some))
+                && !pt.any_shared(first, end)
             {
                 return Ok(());
             }
-            (first..end).filter(|&p| !pt.is_mapped(p)).collect()
+        }
+        if self.slots_ready(seg, first, end) {
+            return Ok(());
+        }
+        let mut taken = FxHashMap::default();
+        self.map_slots(env, seg, first, end, allow_reclaim, &mut taken)
+    }
+
+    /// Whether pages [first, end) of vmm segment `seg` may take live bytes as they are mapped
+    /// now: every slot mapped to a page that backs no other occupied slot, nor another slot of
+    /// the range. Allocates nothing: it is the second fast path of every allocation that lands
+    /// on aliased slots.
+    pub(crate) fn slots_ready(&self, seg: SegmentId, first: usize, end: usize) -> bool {
+        let SegmentKind::Vmm(pt) = &self.segments[seg].kind else {
+            return true;
         };
+        let Some(handles) = pt.handle.get(first..end) else {
+            return false;
+        };
+        if handles.iter().any(Option::is_none) {
+            return false;
+        }
+        if !pt.any_shared(first, end) {
+            return true;
+        }
+        (first..end).all(|p| {
+            if !pt.is_shared(p) || pt.live[p] > 0 {
+                // Alone on its page, or its page's occupant already (invariant 10).
+                return true;
+            }
+            let h = pt.handle[p].expect("checked above");
+            pt.slots_of(h).iter().all(|&s| {
+                let s = s as usize;
+                s == p || (!pt.occupied(s) && !(first..end).contains(&s))
+            })
+        })
+    }
+
+    /// [`Shard::map_range`] past its fast path, for slots [first, end). `taken` holds the pages
+    /// that other ranges of the same operation (a restore re-creates many blocks) claimed, by
+    /// slot: none of them is given to another slot.
+    pub(crate) fn map_slots(
+        &mut self,
+        env: &Env<'_>,
+        seg: SegmentId,
+        first: usize,
+        end: usize,
+        allow_reclaim: bool,
+        taken: &mut FxHashMap<PageHandle, usize>,
+    ) -> Result<(), ShardError> {
+        let ps = env.page_size();
+        let seg_addr = self.segments[seg].addr;
+        let small = self.segments[seg].small;
+        // Which slots need a page: unmapped ones, and stale ones.
+        let mut missing: Vec<usize> = Vec::new();
+        let mut stale: Vec<usize> = Vec::new();
+        {
+            let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
+                return Ok(());
+            };
+            pt.cover(end);
+            for p in first..end {
+                let Some(h) = pt.handle[p] else {
+                    missing.push(p);
+                    continue;
+                };
+                let conflict = pt
+                    .busy_alias(p, h)
+                    .or_else(|| taken.get(&h).copied().filter(|&q| q != p));
+                match conflict {
+                    Some(other) => {
+                        pt.learn_conflict(p, other);
+                        stale.push(p);
+                        missing.push(p);
+                    }
+                    None => {
+                        taken.insert(h, p);
+                    }
+                }
+            }
+        }
         if missing.is_empty() {
             return Ok(());
         }
-        // Claim before any bookkeeping is sized for the range.
-        let pool_bytes = missing.len() as u64 * ps;
-        if pool_bytes > env.budget.limit() || !env.pool_budget.try_claim(pool_bytes) {
-            return Err(ShardError::OutOfMemory);
+        if !stale.is_empty() {
+            // Unmapping is illegal during a capture, and only safe once the stream's work that
+            // last touched the slot is complete.
+            if env.capture_underway {
+                return Err(ShardError::StaleDuringCapture);
+            }
+            for &p in &stale {
+                self.wait_idle_safe(env, seg, p)?;
+                self.unmap_page(env, seg, p)?;
+            }
         }
-        if let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind {
-            pt.cover(end);
-        }
-        let mut got: Vec<PageHandle> = Vec::with_capacity(missing.len());
-        // Within the slack, a new page is preferred to moving an idle one: remapping costs two
-        // driver calls every time a workload's pattern shifts, and a little idle memory absorbs
-        // that churn. Beyond it, idle pages move to where they are needed.
-        let live = self.stats.active_bytes.all().current as u64 + size;
+        let live = self.stats.active_bytes.all().current as u64 + (end - first) as u64 * ps;
         let slack = env.vmm_slack(live);
         let mapped = self.stats.reserved_bytes.all().current as u64;
-        while got.len() < missing.len() {
-            let within_slack = mapped + (got.len() as u64 + 1) * ps <= live + slack;
-            let reclaim = |s: &mut Self| {
-                allow_reclaim
-                    .then(|| s.reclaim_idle_page(env, (seg, first, end)))
-                    .flatten()
-            };
-            let page = match env.pages.take() {
-                Some(p) => Ok(p),
-                None if within_slack => match env.new_page() {
-                    Ok(p) => Ok(p),
-                    Err(e) => reclaim(self).ok_or(e),
-                },
-                None => match reclaim(self) {
-                    Some(p) => Ok(p),
-                    None => env.new_page(),
-                },
+        // (slot, page, whether the page is new to this reservation and claimed from its pool's
+        // budget).
+        let mut got: Vec<(usize, PageHandle, bool)> = Vec::with_capacity(missing.len());
+        let give_back = |env: &Env<'_>, got: &[(usize, PageHandle, bool)]| {
+            for &(_, h, fresh) in got {
+                if fresh {
+                    env.pages.put(h);
+                    env.pool_budget.release(ps);
+                }
+            }
+        };
+        let mut new_bytes = 0u64;
+        for &p in &missing {
+            let within_slack = slack > 0 && mapped + new_bytes + ps <= live + slack;
+            // Without reclaim (a resume, a restore), every slot gets a page of its own: a
+            // resumed pool copies its backup into every slot it had, idle ones included, so no
+            // two of its slots may share a page then.
+            let alias = (!within_slack && allow_reclaim)
+                .then(|| self.idle_page_for(seg, p, taken))
+                .flatten();
+            let page = match alias {
+                Some(h) => Ok((h, false)),
+                None => {
+                    if !env.pool_budget.try_claim(ps) {
+                        give_back(env, &got);
+                        return Err(ShardError::OutOfMemory);
+                    }
+                    let fresh = match env.pages.take() {
+                        Some(h) => Ok(h),
+                        None if within_slack || !allow_reclaim => env.new_page().or_else(|e| {
+                            allow_reclaim
+                                .then(|| self.idle_page_for(seg, p, taken))
+                                .flatten()
+                                .inspect(|_| env.pool_budget.release(ps))
+                                .or_else(|| self.reclaim_elsewhere(env, seg, allow_reclaim))
+                                .ok_or(e)
+                        }),
+                        None => match self.reclaim_elsewhere(env, seg, allow_reclaim) {
+                            Some(h) => Ok(h),
+                            None => env.new_page(),
+                        },
+                    };
+                    match fresh {
+                        // An alias found after the claim gave the claim back.
+                        Ok(h) if self.page_in(seg, h) => Ok((h, false)),
+                        Ok(h) => Ok((h, true)),
+                        Err(e) => {
+                            env.pool_budget.release(ps);
+                            Err(e)
+                        }
+                    }
+                }
             };
             match page {
-                Ok(p) => got.push(p),
-                Err(e) => {
-                    for p in got {
-                        env.pages.put(p);
+                Ok((h, fresh)) => {
+                    taken.insert(h, p);
+                    if fresh {
+                        new_bytes += ps;
                     }
-                    env.pool_budget.release(pool_bytes);
+                    got.push((p, h, fresh));
+                }
+                Err(e) => {
+                    give_back(env, &got);
                     return Err(e.into());
                 }
             }
         }
-        // Runs of consecutive pages map with one call each (one access call on CUDA).
+        // Runs of consecutive slots map with one call each (one access call on CUDA).
         let mut i = 0;
-        while i < missing.len() {
-            let run = 1 + missing[i + 1..]
+        while i < got.len() {
+            let run = 1 + got[i + 1..]
                 .iter()
-                .zip(&missing[i..])
-                .take_while(|&(&b, &a)| b == a + 1)
+                .zip(&got[i..])
+                .take_while(|&(b, a)| b.0 == a.0 + 1)
                 .count();
-            if let Err(e) = env
-                .dev
-                .map_run(seg_addr + missing[i] as u64 * ps, &got[i..i + run])
-            {
-                for &q in &missing[..i] {
+            let pages: Vec<PageHandle> = got[i..i + run].iter().map(|g| g.1).collect();
+            if let Err(e) = env.dev.map_run(seg_addr + got[i].0 as u64 * ps, &pages) {
+                for &(q, _, _) in &got[..i] {
+                    let _ = env.dev.unmap(seg_addr + q as u64 * ps);
                     let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
                         unreachable!()
                     };
-                    let h = pt.handle[q].take();
-                    pt.mapped_count -= 1;
-                    let _ = env.dev.unmap(seg_addr + q as u64 * ps);
-                    if let Some(h) = h {
-                        env.pages.put(h);
+                    if let Some((_, true)) = pt.remove_mapping(q) {
+                        self.stats.reserved_bytes.update(small, -(ps as i64));
                     }
                 }
-                self.stats
-                    .reserved_bytes
-                    .update(self.segments[seg].small, -((i as u64 * ps) as i64));
-                for &h in &got[i..] {
-                    env.pages.put(h);
-                }
-                env.pool_budget.release(pool_bytes);
+                give_back(env, &got);
                 return Err(e.into());
             }
-            for (&p, &h) in missing[i..i + run].iter().zip(&got[i..i + run]) {
+            for &(p, h, _) in &got[i..i + run] {
                 let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
                     unreachable!()
                 };
-                pt.handle[p] = Some(h);
-                pt.mapped_count += 1;
+                if pt.add_mapping(p, h) {
+                    self.stats.reserved_bytes.update(small, ps as i64);
+                }
                 env.trace.record(
                     TraceAction::SegmentMap,
                     seg_addr + p as u64 * ps,
@@ -1113,29 +1252,122 @@ impl Shard {
                     pt.set_idle(p, true);
                     pt.idle_epoch[p] = self.epoch;
                 }
-                self.stats
-                    .reserved_bytes
-                    .update(self.segments[seg].small, ps as i64);
             }
             i += run;
         }
-        self.stats.num_device_alloc += missing.len() as i64;
+        self.stats.num_device_alloc += got.len() as i64;
         Ok(())
     }
 
-    /// Unmap one idle page whose last use is known complete, skipping pages in `exclude`
-    /// (segment, first page, end page). Returns its physical handle.
-    fn reclaim_idle_page(
+    /// Whether `page` is mapped somewhere in reservation `seg`.
+    fn page_in(&self, seg: SegmentId, page: PageHandle) -> bool {
+        matches!(&self.segments[seg].kind, SegmentKind::Vmm(pt) if !pt.slots_of(page).is_empty())
+    }
+
+    /// An idle physical page of reservation `seg` for slot `p`: one that backs no occupied slot
+    /// and is not taken by the operation. Preferred: a page none of whose slots was ever needed
+    /// at the same time as `p`, then the page whose lowest slot is highest. Best fit favours low
+    /// addresses, so a page mapped only high up is the least likely to be wanted back soon where
+    /// it is (each slot of the page taken becomes stale, and costs an unmap and a map if it is
+    /// needed while `p` is live).
+    fn idle_page_for(
+        &self,
+        seg: SegmentId,
+        p: usize,
+        taken: &FxHashMap<PageHandle, usize>,
+    ) -> Option<PageHandle> {
+        let SegmentKind::Vmm(pt) = &self.segments[seg].kind else {
+            return None;
+        };
+        if pt.idle_count == 0 {
+            return None;
+        }
+        let mut best: Option<((bool, usize), PageHandle)> = None;
+        let mut seen = rustc_hash::FxHashSet::default();
+        for q in pt.idle_pages_rev() {
+            // A page met from here down has a slot at q or below: none beats a best whose lowest
+            // slot is at q or above.
+            if let Some(((true, low), _)) = best
+                && low >= q
+            {
+                break;
+            }
+            let Some(h) = pt.handle[q] else { continue };
+            if !seen.insert(h) || taken.contains_key(&h) || !pt.page_idle(h) {
+                continue;
+            }
+            let lowest = pt
+                .slots_of(h)
+                .iter()
+                .map(|&s| s as usize)
+                .min()
+                .unwrap_or(q);
+            let score = (!pt.conflicts_with(p, h), lowest);
+            if best.is_none_or(|(b, _)| score > b) {
+                best = Some((score, h));
+            }
+        }
+        best.map(|(_, h)| h)
+    }
+
+    /// Wait until the stream's work that last touched idle slot `p` is complete (its epoch is
+    /// safe), synchronising on the epoch's event if a query does not say so.
+    fn wait_idle_safe(
         &mut self,
         env: &Env<'_>,
-        exclude: (SegmentId, usize, usize),
+        seg: SegmentId,
+        p: usize,
+    ) -> Result<(), ShardError> {
+        let SegmentKind::Vmm(pt) = &self.segments[seg].kind else {
+            return Err(ShardError::NotVmm);
+        };
+        let need = pt.idle_epoch[p];
+        if need < self.safe_epoch {
+            return Ok(());
+        }
+        self.advance_epoch(env);
+        while need >= self.safe_epoch {
+            let Some(&(e, ev)) = self.epoch_events.front() else {
+                return Err(ShardError::OutOfMemory);
+            };
+            env.dev.synchronize_event(ev)?;
+            self.epoch_events.pop_front();
+            env.events.put(ev);
+            self.safe_epoch = e + 1;
+        }
+        Ok(())
+    }
+
+    /// Take a physical page from one of this shard's other vmm reservations: an idle page
+    /// whose every slot is safe to unmap and not graph-retained, unmapped from all of them.
+    fn reclaim_elsewhere(
+        &mut self,
+        env: &Env<'_>,
+        seg: SegmentId,
+        allow_reclaim: bool,
     ) -> Option<PageHandle> {
-        if env.capture_underway {
+        if !allow_reclaim || env.capture_underway {
             return None;
         }
         for attempt in 0..2 {
-            if let Some((seg, p)) = self.find_safe_idle(exclude) {
-                return self.unmap_page(env, seg, p).ok();
+            if let Some((sid, h)) = self.find_safe_idle(seg) {
+                let slots: Vec<u32> = match &self.segments[sid].kind {
+                    SegmentKind::Vmm(pt) => pt.slots_of(h).to_vec(),
+                    SegmentKind::Classic => return None,
+                };
+                let mut left = None;
+                for q in slots {
+                    match self.unmap_page(env, sid, q as usize) {
+                        Ok(Some(page)) => left = Some(page),
+                        Ok(None) => {}
+                        Err(_) => return None,
+                    }
+                }
+                if let Some(page) = left {
+                    // It left its reservation (and its pool's budget): this one claims it.
+                    return Some(page);
+                }
+                return None;
             }
             if attempt == 0 && !self.advance_epoch(env) {
                 return None;
@@ -1144,23 +1376,28 @@ impl Shard {
         None
     }
 
-    fn find_safe_idle(&self, exclude: (SegmentId, usize, usize)) -> Option<(SegmentId, usize)> {
+    /// An idle physical page of a reservation other than `exclude` whose slots are all idle
+    /// since a safe epoch and not graph-retained.
+    fn find_safe_idle(&self, exclude: SegmentId) -> Option<(SegmentId, PageHandle)> {
         for (sid, seg) in self.segments.iter() {
             let SegmentKind::Vmm(pt) = &seg.kind else {
                 continue;
             };
-            if pt.idle_count == 0 {
+            if pt.idle_count == 0 || sid == exclude {
                 continue;
             }
-            // Highest address first: best fit favours low addresses, so the pages up there are the
-            // least likely to be wanted back soon (taking low ones makes pages ping-pong).
-            let found = pt.idle_pages_rev().find(|&p| {
-                pt.idle_epoch[p] < self.safe_epoch
-                    && !pt.is_retained(p)
-                    && !(sid == exclude.0 && p >= exclude.1 && p < exclude.2)
+            let found = pt.idle_pages_rev().find_map(|p| {
+                let h = pt.handle[p]?;
+                pt.slots_of(h)
+                    .iter()
+                    .map(|&s| s as usize)
+                    .all(|s| {
+                        pt.live[s] == 0 && !pt.is_retained(s) && pt.idle_epoch[s] < self.safe_epoch
+                    })
+                    .then_some(h)
             });
-            if let Some(p) = found {
-                return Some((sid, p));
+            if let Some(h) = found {
+                return Some((sid, h));
             }
         }
         None
@@ -1214,12 +1451,14 @@ impl Shard {
         self.safe_epoch = self.epoch;
     }
 
+    /// Unmap slot `p` of reservation `seg`. Returns its page when no other slot of the
+    /// reservation maps it (the page left the reservation and its pool's budget), else `None`.
     pub(crate) fn unmap_page(
         &mut self,
         env: &Env<'_>,
         seg: SegmentId,
         p: usize,
-    ) -> Result<PageHandle, ShardError> {
+    ) -> Result<Option<PageHandle>, ShardError> {
         let ps = env.page_size();
         let segment = &mut self.segments[seg];
         let small = segment.small;
@@ -1227,18 +1466,20 @@ impl Shard {
         let SegmentKind::Vmm(pt) = &mut segment.kind else {
             return Err(ShardError::NotVmm);
         };
-        let h = pt.handle[p].ok_or(ShardError::PageNotMapped)?;
+        if !pt.is_mapped(p) {
+            return Err(ShardError::PageNotMapped);
+        }
         env.dev.unmap(addr)?;
         env.trace
             .record(TraceAction::SegmentUnmap, addr, ps, self.stream);
-        pt.handle[p] = None;
-        pt.mapped_count -= 1;
-        pt.set_idle(p, false);
-        pt.set_retained(p, false);
+        let (h, last) = pt.remove_mapping(p).ok_or(ShardError::PageNotMapped)?;
+        self.stats.num_device_free += 1;
+        if !last {
+            return Ok(None);
+        }
         env.pool_budget.release(ps);
         self.stats.reserved_bytes.dec(small, ps as i64);
-        self.stats.num_device_free += 1;
-        Ok(h)
+        Ok(Some(h))
     }
 
     // ----------------------------------------------------------------------------------------
@@ -1343,7 +1584,8 @@ impl Shard {
                         .collect()
                 };
                 for p in idle {
-                    let Ok(h) = self.unmap_page(env, seg, p) else {
+                    // A slot whose page is mapped at another slot too frees no memory.
+                    let Ok(Some(h)) = self.unmap_page(env, seg, p) else {
                         continue;
                     };
                     out.bytes += env.page_size();
@@ -1697,9 +1939,12 @@ impl Shard {
                         pt.mapped_count, pt.idle_count
                     ));
                 }
+                pt.check_aliases()
+                    .map_err(|e| format!("{e} (segment {sid})"))?;
+                self.check_no_shared_bytes(sid, page_size)?;
                 recount
                     .reserved_bytes
-                    .inc(small, (mapped as u64 * page_size) as i64);
+                    .inc(small, (pt.phys_count() as u64 * page_size) as i64);
             }
         }
         let allocated = self
@@ -1817,6 +2062,44 @@ impl Shard {
             return Err("7: oversize_allocations differs from a recount".into());
         }
         self.check_pause(page_size)
+    }
+
+    /// Invariant 11, byte by byte: no two non-free blocks of vmm segment `sid` reach the same
+    /// byte of a physical page, through whichever slots the page is mapped at.
+    fn check_no_shared_bytes(&self, sid: SegmentId, page_size: u64) -> Result<(), String> {
+        let seg = &self.segments[sid];
+        let SegmentKind::Vmm(pt) = &seg.kind else {
+            return Ok(());
+        };
+        // (page, first byte, end byte within the page, block).
+        let mut pieces: Vec<(PageHandle, u64, u64, BlockId)> = Vec::new();
+        for (id, b) in self.segment_blocks(sid) {
+            if b.state == BlockState::Free {
+                continue;
+            }
+            let (first, end) = Self::page_range(page_size, seg.addr, b.addr, b.size);
+            for p in first..end {
+                // Unmapped pages under live blocks are invariant 6's (a paused pool has them).
+                let Some(h) = pt.handle.get(p).copied().flatten() else {
+                    continue;
+                };
+                let base = seg.addr + p as u64 * page_size;
+                let lo = b.addr.max(base) - base;
+                let hi = b.end().min(base + page_size) - base;
+                pieces.push((h, lo, hi, id));
+            }
+        }
+        pieces.sort_unstable();
+        for w in pieces.windows(2) {
+            let ((h0, _, hi0, a), (h1, lo1, _, b)) = (w[0], w[1]);
+            if h0 == h1 && lo1 < hi0 {
+                return Err(format!(
+                    "11: blocks {a} and {b} of segment {sid} share bytes of physical page {}",
+                    h0.0
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn stats_max_split(&self) -> u64 {

@@ -218,7 +218,8 @@ impl Serialize for StatArray {
 /// Meanings follow PyTorch: `allocation` and `allocated_bytes` count blocks handed out and not yet
 /// freed by the user (rounded sizes); `active` additionally counts blocks freed by the user but
 /// waiting for cross-stream events; `requested_bytes` are the sizes asked for; `segment` and
-/// `reserved_bytes` are backend memory (segments in classic mode, mapped 2 MiB pages in vmm mode);
+/// `reserved_bytes` are backend memory (segments in classic mode, physical pages in vmm mode, each
+/// counted once however many page slots map it);
 /// `inactive_split` are free blocks that are part of a split classic segment.
 ///
 /// `reserved_paused_bytes` (no PyTorch counterpart) are the bytes of paused pools

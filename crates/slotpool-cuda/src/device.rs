@@ -614,8 +614,9 @@ impl Device for CudaDevice {
         };
         for (i, page) in pages.iter().enumerate() {
             // SAFETY: by the trait contract `ptr + i * bytes` is a page-aligned, unmapped address
-            // inside a reservation and `page` a live page of exactly `bytes`; offset and flags
-            // must be 0.
+            // inside a reservation and `page` a live page of exactly `bytes` (it may be mapped at
+            // other addresses too: CUDA maps one allocation handle at any number of virtual
+            // addresses, all showing the same memory); offset and flags must be 0.
             if let Err(err) = call("cuMemMap", || unsafe {
                 sys::cuMemMap(ptr + (i * bytes) as u64, bytes, 0, page.0, 0)
             }) {

@@ -140,6 +140,33 @@ fn vmm_reserve_map_unmap_remap_release() {
         .expect("release_reservation");
 }
 
+/// Page aliasing on real pages: one physical page mapped at two addresses of a reservation at
+/// once (`cuMemMap` of a handle that is already mapped) shows the same bytes at both, and is
+/// released once both mappings are gone.
+#[test]
+fn one_page_mapped_at_two_addresses_shares_its_bytes() {
+    let Some((_serial, dev)) = vmm_device() else {
+        return;
+    };
+    let page = dev.page_size();
+    let bytes = page as usize;
+    let base = dev.reserve(4 * page).expect("reserve");
+    let p = dev.create_page().expect("create_page");
+    dev.map(base, p).expect("map at slot 0");
+    dev.map_run(base + 2 * page, &[p]).expect("alias at slot 2");
+    dev.make_current().expect("make_current");
+    memset(base, 0x3c, bytes);
+    assert!(read(base + 2 * page, bytes).iter().all(|&b| b == 0x3c));
+    memset(base + 2 * page, 0x7e, bytes);
+    assert!(read(base, bytes).iter().all(|&b| b == 0x7e));
+    dev.unmap(base).expect("unmap slot 0");
+    assert!(read(base + 2 * page, bytes).iter().all(|&b| b == 0x7e));
+    dev.unmap(base + 2 * page).expect("unmap slot 2");
+    dev.release_page(p).expect("release");
+    dev.release_reservation(base, 4 * page)
+        .expect("release_reservation");
+}
+
 #[test]
 fn peers_and_access_refresh() {
     let Some((_serial, dev)) = vmm_device() else {

@@ -4,7 +4,7 @@
 //!
 //! A process must hold one allocator, however many slotpool front ends it loads (this library,
 //! the PyTorch shim, a program linked with `-lslotpool`). So this library contains no allocator:
-//! it forwards to `libslotpool.so` (SONAME `libslotpool.so`). It opens it with `dlopen` rather
+//! it forwards to `libslotpool.so` (SONAME `libslotpool.so.0`). It opens it with `dlopen` rather
 //! than linking it, because cargo does not order the builds of two cdylibs of one workspace (a
 //! link-time `-lslotpool` can fail on a clean clone), and because a lazy open lets every call pass
 //! through when slotpool cannot be had (a program must not fail to start because of us).
@@ -12,11 +12,16 @@
 //! The library is looked for, in order:
 //!
 //! 1. `$SLOTPOOL_LIBRARY`, when set (a path; no fallback if it cannot be opened);
-//! 2. a `libslotpool.so` already loaded in the process (`RTLD_NOLOAD`, matched by SONAME): the
-//!    allocator of the PyTorch shim or of the program is then shared;
-//! 3. `libslotpool.so` in the directory of this library (found with `dladdr` when this library is
-//!    loaded, so a relative `LD_PRELOAD` path and a later `chdir` do not matter);
-//! 4. `libslotpool.so` on the loader's search path (`LD_LIBRARY_PATH`, `ldconfig`).
+//! 2. a `libslotpool.so` already loaded in the process (`RTLD_NOLOAD` of `libslotpool.so.0`,
+//!    matched by SONAME, whatever the file is called): the allocator of the PyTorch shim or of
+//!    the program is then shared;
+//! 3. `libslotpool.so.0`, else `libslotpool.so`, in the directory of this library (found with
+//!    `dladdr` when this library is loaded, so a relative `LD_PRELOAD` path and a later `chdir` do
+//!    not matter): an installed prefix has both, cargo's `target/release` the second;
+//! 4. `libslotpool.so.0` on the loader's search path (`LD_LIBRARY_PATH`, `ldconfig`).
+//!
+//! This library itself has no versioned SONAME: it is loaded by path (`LD_PRELOAD`), never
+//! linked against, so nothing records its name.
 //!
 //! It is opened `RTLD_NOW | RTLD_GLOBAL`, so that later users (a shim linked against it,
 //! `ctypes.CDLL("libslotpool.so")`) find this same copy.
@@ -50,8 +55,10 @@ pub const ENV_BACKEND: &str = "SLOTPOOL_BACKEND";
 /// Environment variable: `1` makes a served `cudaFree`/`cuMemFree_v2` synchronise the device
 /// first, as the real ones do (see docs/preload.md).
 pub const ENV_SYNC_FREE: &str = "SLOTPOOL_PRELOAD_SYNC_FREE";
-/// The SONAME and file name of slotpool's C ABI library.
-const LIBRARY: &CStr = c"libslotpool.so";
+/// The SONAME of slotpool's C ABI library (see crates/slotpool-capi/build.rs).
+const SONAME: &CStr = c"libslotpool.so.0";
+/// The file names looked for beside this library, in order: the installed name, then cargo's.
+const FILE_NAMES: [&str; 2] = ["libslotpool.so.0", "libslotpool.so"];
 
 // ------------------------------------------------------------------------------------------------
 // dladdr and this library's own location
@@ -387,26 +394,37 @@ fn open_library() -> Result<(*mut c_void, String), String> {
             .map(|h| (h, path.to_string_lossy().into_owned()))
             .map_err(|e| format!("{ENV_LIBRARY}={}: {e}", path.to_string_lossy()));
     }
-    if let Ok(h) = dlopen(LIBRARY, flags | libc::RTLD_NOLOAD) {
+    if let Ok(h) = dlopen(SONAME, flags | libc::RTLD_NOLOAD) {
         let path = loaded_path(h).unwrap_or_else(|| "libslotpool.so (already loaded)".into());
         return Ok((h, path));
     }
     let mut tried = Vec::new();
     if let Some(dir) = own_dir() {
-        let path = dir.join("libslotpool.so");
-        if path.exists() {
-            let c = CString::new(path.as_os_str().as_bytes())
-                .map_err(|_| "the library's path has a NUL".to_owned())?;
-            match dlopen(&c, flags) {
-                Ok(h) => return Ok((h, path.display().to_string())),
-                Err(e) => tried.push(e),
+        match FILE_NAMES
+            .map(|n| dir.join(n))
+            .into_iter()
+            .find(|p| p.exists())
+        {
+            Some(path) => {
+                let c = CString::new(path.as_os_str().as_bytes())
+                    .map_err(|_| "the library's path has a NUL".to_owned())?;
+                match dlopen(&c, flags) {
+                    Ok(h) => return Ok((h, path.display().to_string())),
+                    Err(e) => tried.push(e),
+                }
             }
-        } else {
-            tried.push(format!("{} does not exist", path.display()));
+            None => tried.push(format!(
+                "neither {} exists in {}",
+                FILE_NAMES.join(" nor "),
+                dir.display()
+            )),
         }
     }
-    match dlopen(LIBRARY, flags) {
-        Ok(h) => Ok((h, loaded_path(h).unwrap_or_else(|| "libslotpool.so".into()))),
+    match dlopen(SONAME, flags) {
+        Ok(h) => Ok((
+            h,
+            loaded_path(h).unwrap_or_else(|| "libslotpool.so.0".into()),
+        )),
         Err(e) => {
             tried.push(e);
             Err(format!(

@@ -90,12 +90,14 @@ fn install(from: &Path, dir: &Path, name: &str) -> PathBuf {
     to
 }
 
-/// The installed layout: `lib/libslotpool_preload.so` beside `lib/libslotpool.so`.
+/// The installed layout: `lib/libslotpool_preload.so` beside `lib/libslotpool.so.0` (the
+/// SONAME; `scripts/install.sh` installs that name).
 fn installed() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let dir = scratch().join("lib");
-        install(&built("libslotpool.so"), &dir, "libslotpool.so");
+        let _ = std::fs::remove_file(dir.join("libslotpool.so"));
+        install(&built("libslotpool.so"), &dir, "libslotpool.so.0");
         install(
             &built("libslotpool_preload.so"),
             &dir,
@@ -109,7 +111,9 @@ fn lonely() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let dir = scratch().join("lonely");
-        let _ = std::fs::remove_file(dir.join("libslotpool.so"));
+        for name in ["libslotpool.so", "libslotpool.so.0"] {
+            let _ = std::fs::remove_file(dir.join(name));
+        }
         install(
             &built("libslotpool_preload.so"),
             &dir,
@@ -536,7 +540,7 @@ fn missing_libslotpool_passes_everything_through_with_one_warning() {
     );
 
     // SLOTPOOL_LIBRARY names it explicitly.
-    let library = installed().with_file_name("libslotpool.so");
+    let library = installed().with_file_name("libslotpool.so.0");
     let explicit = run(
         probe,
         Some(lonely()),

@@ -45,8 +45,9 @@ use streams::Streams;
 ///    mapped or not; reservations cost nothing. A physical allocation that would take it past
 ///    `total_memory()` fails with `OutOfMemory`. `free_memory()` is `total - physical` (0 if
 ///    `set_capacity` went below the current use).
-/// 3. A page is mapped at most once, only at a page-aligned address inside a reservation where
-///    nothing is mapped. `mapped_bytes()` is `page_size` per mapped page.
+/// 3. A page is mapped only at page-aligned addresses inside reservations where nothing is
+///    mapped; it may be mapped at several such addresses at once (an alias, as CUDA allows), and
+///    is released only once mapped nowhere. `mapped_bytes()` is `page_size` per mapping.
 /// 4. A call that breaks the `Device` contract fails with `InvalidArgument`, changes nothing, and
 ///    increments `contract_violations()` (the message is kept in `last_violation()`).
 /// 5. Bytes belong to physical objects: a page's bytes appear wherever it is mapped. Fresh segment
@@ -212,6 +213,11 @@ impl SimDevice {
     /// Live physical pages, mapped or not.
     pub fn page_count(&self) -> usize {
         self.lock().memory.counts().2
+    }
+
+    /// Live pages mapped nowhere (a page mapped at several addresses counts in neither).
+    pub fn unmapped_page_count(&self) -> usize {
+        self.lock().memory.unmapped_pages()
     }
 
     /// Host bytes actually allocated to back device memory (64 KiB per chunk ever written).

@@ -62,10 +62,11 @@ impl Range {
     }
 }
 
-/// A physical page from `create_page`.
+/// A physical page from `create_page`. It may be mapped at several addresses at once (CUDA maps
+/// one allocation handle at any number of virtual addresses): its bytes are the same at each.
 #[derive(Debug)]
 struct Page {
-    mapped_at: Option<DevicePtr>,
+    mapped_at: Vec<DevicePtr>,
     bytes: Store,
 }
 
@@ -174,6 +175,14 @@ impl Memory {
             .filter(|r| matches!(r, Range::Segment { .. }))
             .count();
         (segments, self.ranges.len() - segments, self.pages.len())
+    }
+
+    /// Live pages mapped nowhere.
+    pub(crate) fn unmapped_pages(&self) -> usize {
+        self.pages
+            .values()
+            .filter(|p| p.mapped_at.is_empty())
+            .count()
     }
 
     /// Host bytes held by all stores.
@@ -295,7 +304,7 @@ impl Memory {
         let handle = PageHandle(self.next_page);
         self.next_page += 1;
         let page = Page {
-            mapped_at: None,
+            mapped_at: Vec::new(),
             bytes: Store::new(PAGE_POISON),
         };
         self.pages.insert(handle, page);
@@ -315,10 +324,12 @@ impl Memory {
         let call = format!("release_page({})", page.0);
         match self.pages.get(&page) {
             None => return invalid(self.dead_page(&call, page)),
-            Some(Page {
-                mapped_at: Some(at),
-                ..
-            }) => return invalid(format!("{call}: the page is still mapped at {at:#x}")),
+            Some(Page { mapped_at, .. }) if !mapped_at.is_empty() => {
+                return invalid(format!(
+                    "{call}: the page is still mapped at {:#x}",
+                    mapped_at[0]
+                ));
+            }
             Some(_) => {}
         }
         self.pages.remove(&page);
@@ -328,13 +339,8 @@ impl Memory {
 
     pub(crate) fn map(&mut self, ptr: DevicePtr, page: PageHandle) -> DeviceResult<()> {
         let call = format!("map({ptr:#x}, page {})", page.0);
-        match self.pages.get(&page) {
-            None => return invalid(self.dead_page(&call, page)),
-            Some(Page {
-                mapped_at: Some(at),
-                ..
-            }) => return invalid(format!("{call}: the page is already mapped at {at:#x}")),
-            Some(_) => {}
+        if !self.pages.contains_key(&page) {
+            return invalid(self.dead_page(&call, page));
         }
         if !ptr.is_multiple_of(self.page_size) {
             return invalid(format!("{call}: address is not page-aligned"));
@@ -350,7 +356,7 @@ impl Memory {
         }
         mapped.insert(ptr, page);
         if let Some(p) = self.pages.get_mut(&page) {
-            p.mapped_at = Some(ptr);
+            p.mapped_at.push(ptr);
         }
         self.access.insert(ptr, self.peers.clone());
         self.mapped += self.page_size;
@@ -369,7 +375,7 @@ impl Memory {
             return invalid(format!("{call}: no page is mapped at that address"));
         };
         if let Some(p) = self.pages.get_mut(&page) {
-            p.mapped_at = None;
+            p.mapped_at.retain(|&at| at != ptr);
         }
         self.access.remove(&ptr);
         self.mapped -= self.page_size;

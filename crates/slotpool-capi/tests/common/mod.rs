@@ -98,6 +98,20 @@ pub fn lib_dir() -> PathBuf {
     exe.parent().expect("target/<profile>/deps").to_path_buf()
 }
 
+/// A directory where the loader finds the library built for this test run under its SONAME
+/// (`libslotpool.so.0`, a link to cargo's `libslotpool.so`), as it does in an installed prefix:
+/// a program linked with `-lslotpool` asks for that name at run time.
+pub fn soname_dir() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("soname-lib");
+    std::fs::create_dir_all(&dir).unwrap();
+    let link = dir.join("libslotpool.so.0");
+    let tmp = dir.join(format!(".libslotpool.so.0.{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(lib_dir().join("libslotpool.so"), &tmp).unwrap();
+    std::fs::rename(&tmp, &link).unwrap();
+    dir
+}
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
