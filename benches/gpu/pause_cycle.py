@@ -100,7 +100,7 @@ def build_model(torch, scale, region=None, cuda_graph=None):
     else:
         with torch.cuda.graph(graph):
             out = decode()
-    return weights, kv, graph, out
+    return weights, kv, graph, out, idx
 
 
 class _null:
@@ -155,10 +155,12 @@ def child_cycle(scale, fraction):
 
     sp.install()
     torch.cuda.set_per_process_memory_fraction(fraction)
-    weights, kv, graph, out = build_model(torch, scale, region=sp.region, cuda_graph=sp.cuda_graph)
+    weights, kv, graph, out, idx = build_model(torch, scale, region=sp.region, cuda_graph=sp.cuda_graph)
     graph.replay()
     torch.cuda.synchronize()
     before = out.clone().cpu()
+    weights_copy = [w.cpu() for w in weights]
+    kv_idx_before = kv[idx].clone()
     pools = {t: sp.tag_pool(t) for t in ("weights", "kv_cache", "graph")}
     reserved = {t: sp.pool_stats(p)["reserved_bytes.all.current"] for t, p in pools.items()}
     page = 16 * MiB
@@ -200,6 +202,10 @@ def child_cycle(scale, fraction):
     sp.resume("weights")
     t_resume = time.perf_counter() - t0
     fill_kv(torch, kv)  # the KV cache was discarded: prefill again
+    torch.cuda.synchronize()
+    # Before the replay (a fault there poisons the context): what came back as it was.
+    weights_kept = all(bool(torch.equal(w.cpu(), c)) for w, c in zip(weights, weights_copy))
+    kv_refilled = bool(torch.equal(kv[idx], kv_idx_before))
     graph.replay()
     torch.cuda.synchronize()
     after = out.clone().cpu()
@@ -210,6 +216,7 @@ def child_cycle(scale, fraction):
             "paused_alloc_refused": alloc_refused, "step_chunks": n_chunks,
             "step_peak_allocated": step_peak, "available_before_pause": avail_before,
             "step_error": step_error, "replay_bit_equal": equal,
+            "weights_kept": weights_kept, "kv_refilled": kv_refilled,
             "pause_s": t_pause, "resume_s": t_resume}
 
 
@@ -217,7 +224,7 @@ def child_native(scale, fraction):
     import torch
 
     torch.cuda.set_per_process_memory_fraction(fraction)
-    weights, kv, graph, out = build_model(torch, scale)
+    weights, kv, graph, out, _ = build_model(torch, scale)
     total = torch.cuda.mem_get_info()[1]
     want = sum(w.numel() * 2 for w in weights) + kv.numel() * 2
     limit = int(total * fraction)
@@ -274,6 +281,8 @@ def child_times(sizes):
                      for i in range(0, nbytes, 1 << 30)]
         torch.cuda.synchronize()
         for backup in (False, True):
+            for p in parts:  # a discard cycle before this one left its pages undefined
+                p.fill_(1)
             pauses, resumes = [], []
             for _ in range(4):
                 torch.cuda.synchronize()
@@ -307,6 +316,9 @@ def child_tms(sizes):
     import torch_memory_saver as tms_mod
 
     saver = getattr(tms_mod, "torch_memory_saver", None) or tms_mod.TorchMemorySaver()
+    # Its default hook mode needs the process started under LD_PRELOAD; the in-process pluggable
+    # allocator mode serves regions the same way (graphs are not timed here).
+    saver.hook_mode = "torch"
     rows = []
     for gb in sizes:
         nbytes = int(gb * GB)

@@ -174,32 +174,44 @@ struct Worker {
       if ((st = sp_free(gone.p)) != SP_OK) api_error("sp_free (checkpointed)", st);
       freed_held = true;
     }
-    size_t made = 0, n_new = 1 + rng() % 8;
+    std::vector<Live> fresh;  // made since the checkpoint: the restore frees them
+    size_t n_new = 1 + rng() % 8;
     for (size_t i = 0; i < n_new; i++) {
       Live l;
-      if (alloc_one(true, &l)) made++;
+      if (alloc_one(true, &l)) fresh.push_back(l);
     }
     std::vector<void*> keep;
     for (auto& l : held) keep.push_back(l.p);
     sp_restore_delta* d = nullptr;
     st = sp_checkpoint_restore(0, pool, cp, keep.data(), keep.size(), &d);
+    live = rest;
+    for (auto& l : held) live.push_back(l);
     if (st != SP_OK) {
+      // Refused: nothing changed, so what was made since is still live and ours.
       api_error("sp_checkpoint_restore", st);
+      for (auto& l : fresh) live.push_back(l);
       sp_checkpoint_free(cp);
       return;
     }
     n_restore++;
+    // The contract: the checkpoint's allocations are live again (the freed one re-created at its
+    // address, its contents undefined) and everything made since is gone, whatever the delta says.
+    if (freed_held) {
+      gone.value = fresh_value();
+      fill(gone.p, gone.size, gone.value);
+      live.push_back(gone);
+    }
     size_t freed = sp_delta_freed_count(d), created = sp_delta_created_count(d);
-    if (freed != made || created != (freed_held ? 1u : 0u)) api_error("restore delta counts", SP_OK);
-    live = rest;
-    for (auto& l : held) live.push_back(l);
+    if (freed != fresh.size() || created != (freed_held ? 1u : 0u)) {
+      char m[160];
+      std::snprintf(m, sizeof m, "restore delta counts: freed %zu of %zu made, created %zu of %d", freed,
+                    fresh.size(), created, freed_held ? 1 : 0);
+      api_error(m, SP_OK);
+    }
     if (freed_held && created == 1) {
       void* p = nullptr;
       size_t sz = 0;
       if (sp_delta_created(d, 0, &p, &sz) != SP_OK || p != gone.p) api_error("re-created address", SP_OK);
-      gone.value = fresh_value();
-      fill(gone.p, gone.size, gone.value);
-      live.push_back(gone);
     }
     sp_delta_free(d);
     sp_checkpoint_free(cp);

@@ -1540,8 +1540,9 @@ impl Shard {
 
     /// Return cached memory to the backend: whole free classic segments, idle vmm pages (to the
     /// device page pool when `keep_pages`, else released), and empty vmm reservations.
-    /// `synchronize` says the caller synchronised the device (`Device::synchronize`), so that
-    /// everything free can go; pending cross-stream events are waited for too.
+    /// `synchronize` says the device may be synchronised (no capture underway): the shard then
+    /// synchronises it under its own lock, so that everything free can go; pending cross-stream
+    /// events are waited for too.
     /// `keep_retained`: the pool is in use, so graph-retained memory stays (see [`PageTable`]).
     pub fn release_cached(
         &mut self,
@@ -1562,7 +1563,11 @@ impl Shard {
         }
         self.flush_quick(env);
         self.prune_marks();
-        if synchronize {
+        // The caller's synchronisation covers only pages idle before it; another thread may have
+        // freed a block onto this shard's stream, with work still queued there, since. Under this
+        // shard's lock no page can become idle, so one more synchronisation here covers every idle
+        // page (the device is mostly idle by now: it costs little).
+        if synchronize && env.dev.synchronize().is_ok() {
             self.synchronize_events(env);
             self.device_synchronized(env);
         } else {

@@ -58,9 +58,12 @@ fn repo_root() -> PathBuf {
 /// A library cargo built: in the profile directory, or only in `deps/` (a dependency's cdylib).
 fn built(name: &str) -> PathBuf {
     let dir = profile_dir();
+    // `cargo test` relinks deps/ only; the copy beside it is as old as the last `cargo build`.
     [dir.join(name), dir.join("deps").join(name)]
         .into_iter()
-        .find(|p| p.is_file())
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max()
+        .map(|(_, p)| p)
         .unwrap_or_else(|| {
             panic!(
                 "{name} not found in {} or its deps/: build it with `cargo build -p \
