@@ -380,7 +380,8 @@ fn has_feature_agrees_with_the_docs_and_the_header() {
 
 #[test]
 fn sim_bytes_are_refused_on_a_device_that_keeps_only_accounts() {
-    setup();
+    // It allocates on the shared device, whose statistics other tests compare.
+    let _only = exclusive(SHARED);
     let p = alloc(SHARED, MIB, 0);
     let mut buf = [0u8; 4];
     // SAFETY: a host buffer of 4 bytes; the device range is checked by slotpool.
