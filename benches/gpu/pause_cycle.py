@@ -381,16 +381,21 @@ def main():
 
     total = torch.cuda.mem_get_info()[1]
     fraction = min(0.95, 2 * 30 * GB * args.scale / total)
-    results = [run_child("cycle", [str(args.scale), str(fraction)]),
-               run_child("native", [str(args.scale), str(fraction)]),
-               run_child("times", [args.sizes])]
+    def part(name, argv, **kw):
+        r = run_child(name, argv, **kw)
+        print(json.dumps(r)[:4000], flush=True)  # as each part ends: a cut-off run keeps these
+        return r
+
+    results = [part("cycle", [str(args.scale), str(fraction)]),
+               part("native", [str(args.scale), str(fraction)]),
+               part("times", [args.sizes])]
     wheels = sorted(glob.glob(os.path.join(REPO, ".whl", "torch_memory_saver*.whl")))
     if wheels:
         target = tempfile.mkdtemp(prefix="tms_")
         pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
                               "--target", target, wheels[-1]], capture_output=True, text=True)
         if pip.returncode == 0:
-            results.append(run_child("tms", [args.sizes], extra_path=target))
+            results.append(part("tms", [args.sizes], extra_path=target))
         else:
             results.append({"part": "tms", "ok": False, "error": pip.stderr[-2000:]})
     else:

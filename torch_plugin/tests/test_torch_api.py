@@ -350,11 +350,13 @@ def test_ipc():
         # What the handle of the 40 MiB tensor carried (libslotpool.so is loaded global).
         import ctypes
         count, page, offset = (ctypes.c_size_t() for _ in range(3))
-        fds = (ctypes.c_int * 8)()
+        fds = (ctypes.c_int * 64)()  # one descriptor a page: room for 2 MiB pages
         lib = ctypes.CDLL(None)
-        rc = lib.sp_ipc_export(ctypes.c_void_p(big.data_ptr()), fds, 8, ctypes.byref(count),
+        rc = lib.sp_ipc_export(ctypes.c_void_p(big.data_ptr()), fds, 64, ctypes.byref(count),
                                ctypes.byref(page), ctypes.byref(offset))
         assert rc == 0, rc
+        for i in range(count.value):
+            os.close(fds[i])
         keep["ipc"] = {"pages": count.value, "page_size": page.value,
                        "offset": offset.value}
     else:
