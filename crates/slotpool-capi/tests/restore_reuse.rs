@@ -12,8 +12,6 @@ use common::*;
 use slotpool::*;
 
 #[test]
-#[ignore = "fails until a restore lists a block re-allocated at the same address since the \
-            checkpoint as freed and re-creates the checkpoint's block with its requested size"]
 fn a_block_reallocated_at_the_same_address_is_freed_and_recreated_by_a_restore() {
     let _only = exclusive(SHARED);
     let p = sp_pool_id { a: 0, b: 41_001 };

@@ -239,12 +239,13 @@ impl Model {
                     return;
                 };
                 let mut p = null_mut();
-                // Excluded until a refused sp_arena_alloc of a live slot at a larger size leaves
-                // the slot as it was: today it grows the slot anyway. Same size only here.
-                self.refuse(STATE, "alloc of a live arena slot", || {
-                    // SAFETY: valid out-pointer.
-                    unsafe { sp_arena_alloc(0, id, 0, slot, size, &mut p) }
-                });
+                // The same size, and a larger one (which must not grow the slot either).
+                for size in [size, 2 * size] {
+                    self.refuse(STATE, "alloc of a live arena slot", || {
+                        // SAFETY: valid out-pointer.
+                        unsafe { sp_arena_alloc(0, id, 0, slot, size, &mut p) }
+                    });
+                }
             }
             Bad::ArenaFreeNotLive { a, slot } => {
                 if self.arenas.is_empty() {
