@@ -108,7 +108,7 @@ pub struct Allocator<D: Device> {
     pub(crate) routes: Mutex<Vec<Route>>,
     routes_active: AtomicUsize,
     captures_active: AtomicUsize,
-    pub(crate) shards: Mutex<FxHashMap<(PoolId, StreamId), ShardRef>>,
+    pub(crate) shards: Mutex<ShardTable>,
     generation: AtomicU64,
     /// Every segment's address range and its shard, to find the shard of a pointer that the
     /// calling thread's cached shard does not own. Written only when segments come and go.
@@ -740,11 +740,7 @@ impl<D: Device> Allocator<D> {
     }
 
     pub(crate) fn pool_shards(&self, pool: PoolId) -> Vec<ShardRef> {
-        lock(&self.shards)
-            .iter()
-            .filter(|((p, _), _)| *p == pool)
-            .map(|(_, c)| c.clone())
-            .collect()
+        shards_of(&lock(&self.shards), pool)
     }
 
     /// Forget the empty shards of private pools (of `pool` only, if given) that no live
@@ -1542,6 +1538,18 @@ pub struct SegmentSnapshot {
     pub paused: bool,
     /// Blocks in address order, tiling `[addr, addr + size)`.
     pub blocks: Vec<BlockSnapshot>,
+}
+
+/// The shard table: one shard per (pool, stream).
+pub(crate) type ShardTable = FxHashMap<(PoolId, StreamId), ShardRef>;
+
+/// The shards of `pool` in `table`.
+pub(crate) fn shards_of(table: &ShardTable, pool: PoolId) -> Vec<ShardRef> {
+    table
+        .iter()
+        .filter(|((p, _), _)| *p == pool)
+        .map(|(_, c)| c.clone())
+        .collect()
 }
 
 #[cfg(test)]

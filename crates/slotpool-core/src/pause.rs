@@ -16,7 +16,7 @@
 //!   blocks only), a restore is refused.
 //! - Pausing and resuming are transactions: on error nothing changed.
 
-use crate::allocator::{Allocator, ShardRef};
+use crate::allocator::{Allocator, ShardRef, ShardTable, shards_of};
 use crate::block::{SegmentId, SegmentKind};
 use crate::device::{Device, DeviceError, HostBuffer};
 use crate::env::Env;
@@ -404,12 +404,7 @@ impl<D: Device> Allocator<D> {
             )));
         }
         let shards = lock(&self.shards);
-        let mut cells: Vec<ShardRef> = shards
-            .iter()
-            .filter(|((p, _), _)| *p == pool)
-            .map(|(_, c)| c.clone())
-            .collect();
-        cells.sort_by_key(|c| lock(&c.shard).stream);
+        let cells = by_stream(&shards, pool);
         let mut guards: Vec<_> = cells.iter().map(|c| lock(&c.shard)).collect();
         let classic: u64 = guards.iter().map(|s| s.unpausable_bytes()).sum();
         if classic > 0 {
@@ -485,12 +480,7 @@ impl<D: Device> Allocator<D> {
             )));
         }
         let shards = lock(&self.shards);
-        let mut cells: Vec<ShardRef> = shards
-            .iter()
-            .filter(|((p, _), _)| *p == pool)
-            .map(|(_, c)| c.clone())
-            .collect();
-        cells.sort_by_key(|c| lock(&c.shard).stream);
+        let cells = by_stream(&shards, pool);
         let mut guards: Vec<_> = cells.iter().map(|c| lock(&c.shard)).collect();
         let ps = self.shared.page_size;
         let wanted: u64 = guards.iter().map(|s| s.pause_bytes(ps).0).sum();
@@ -570,4 +560,11 @@ impl<D: Device> Allocator<D> {
             ..Default::default()
         }
     }
+}
+
+/// The shards of `pool` in stream order: the order their locks are taken in.
+fn by_stream(table: &ShardTable, pool: PoolId) -> Vec<ShardRef> {
+    let mut cells = shards_of(table, pool);
+    cells.sort_by_key(|c| lock(&c.shard).stream);
+    cells
 }
