@@ -459,7 +459,7 @@ sp_status sp_checkpoint_take(int device, sp_pool_id id, sp_checkpoint** out);
 /** Frees a checkpoint (NULL: SP_OK). Journaling for it stops. */
 sp_status sp_checkpoint_free(sp_checkpoint* cp);
 
-/** Returns pool id to checkpoint cp while keep_live[0..n_keep] stay live at their addresses;
+/** Returns the pool cp was taken of (on its device) to checkpoint cp while keep_live[0..n_keep] stay live at their addresses;
  *  costs what changed since the checkpoint. Allocations made since are freed (they must not be
  *  freed again) and allocations of the checkpoint freed since are re-created (the caller owns
  *  them); *delta_out (may be NULL) lists both. A transaction: on SP_ERR_INVALID_STATE (a
@@ -468,9 +468,10 @@ sp_status sp_checkpoint_free(sp_checkpoint* cp);
  *  SP_ERR_INVALID_ARGUMENT (checkpoint of another pool or device; keep_live NULL with
  *  n_keep > 0, or n_keep above the device's memory / 512, the most allocations it could hold),
  *  SP_ERR_OUT_OF_MEMORY. */
-sp_status sp_checkpoint_restore(int device, sp_pool_id id, const sp_checkpoint* cp,
-                                void* const* keep_live, size_t n_keep,
+sp_status sp_checkpoint_restore(const sp_checkpoint* cp, void* const* keep_live, size_t n_keep,
                                 sp_restore_delta** delta_out);
+/** Writes the device and pool a checkpoint was taken of (either out may be NULL). */
+sp_status sp_checkpoint_info(const sp_checkpoint* cp, int* device, sp_pool_id* pool);
 
 /** Number of allocations a restore freed (0 for an invalid handle, with the reason in
  *  sp_last_error_message). */
@@ -607,6 +608,85 @@ sp_status sp_clear_history(int device);
  *  one. O(blocks); meant for tests, and only meaningful while no other thread uses the device
  *  (it visits the state piece by piece). */
 sp_status sp_check_invariants(int device);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Reading state: live allocations, pool options, configuration, snapshots as data            */
+
+/* ---- Reading state ---- */
+
+/** One live allocation (sp_pool_live_allocations). */
+typedef struct sp_allocation {
+    void* ptr;
+    uint64_t size;            /* the block's (rounded) size */
+    uint64_t requested_size;  /* the size asked for */
+    uint64_t stream;
+} sp_allocation;
+
+/** Writes pool id's live allocations on device, lowest address first: the first
+ *  min(cap, total) to out (out may be NULL when cap is 0) and the total to *total.
+ *  SP_OK also when *total > cap: call again with room for *total.
+ *  Errors: SP_ERR_UNKNOWN_POOL; SP_ERR_INVALID_ARGUMENT (total NULL, out NULL with cap > 0). */
+sp_status sp_pool_live_allocations(int device, sp_pool_id id, sp_allocation* out, size_t cap,
+                                   size_t* total);
+
+/** Writes the options pool id has now (as sp_pool_set_options / creation set them).
+ *  Errors: SP_ERR_UNKNOWN_POOL. */
+sp_status sp_pool_options_get(int device, sp_pool_id id, sp_pool_options* out);
+
+/** The value in effect of a configuration key, spelt as in sp_init's conf string
+ *  ("garbage_collection_threshold", "max_split_size_mb", "growth", "vmm_page_mb", ...):
+ *  sp_config_get_f64 for numeric and boolean keys (booleans 0/1, in the key's own units;
+ *  an unset key with no limit reads 0); SP_ERR_CONFIG for an unknown key or one whose value
+ *  is not a number. sp_config_get_str for any key, as text in the conf syntax; the key "conf"
+ *  gives the whole effective configuration string ("growth:vmm,...,vmm_page_mb:4"). Writes at
+ *  most cap bytes to buf, NUL included (buf may be NULL when cap is 0), and the full length
+ *  without the NUL to *len (may be NULL); SP_OK also when truncated. */
+sp_status sp_config_get_f64(const char* key, double* out);
+sp_status sp_config_get_str(const char* key, char* buf, size_t cap, size_t* len);
+
+/* ---- Snapshots as data (sp_snapshot_json stays, for Python and memory_viz) ---- */
+
+/** A snapshot of segments, blocks and (optionally) recorded history. Opaque handle with the
+ *  same rules as checkpoints (kind-tagged, generational; wrong/freed handle ->
+ *  SP_ERR_INVALID_ARGUMENT, _count functions return 0). */
+typedef struct sp_snapshot sp_snapshot;
+
+typedef enum sp_block_state {
+    SP_BLOCK_INACTIVE = 0,            /* free */
+    SP_BLOCK_ACTIVE_ALLOCATED = 1,    /* live */
+    SP_BLOCK_ACTIVE_PENDING_FREE = 2  /* freed, waiting for other streams' work */
+} sp_block_state;
+
+typedef struct sp_segment_view {
+    int device;
+    int is_large;        /* segment_type "large" (0: "small") */
+    int is_expandable;   /* vmm segment */
+    int reserved0;       /* 0 */
+    uint64_t address;
+    uint64_t total_size;
+    uint64_t stream;
+    sp_pool_id pool;     /* segment_pool_id */
+    size_t block_count;
+} sp_segment_view;
+
+typedef struct sp_block_view {
+    uint64_t address;    /* absolute; a vmm segment's blocks may leave gaps (unmapped pages) */
+    uint64_t size;
+    uint64_t requested_size;
+    sp_block_state state;
+} sp_block_view;
+
+/** Takes a snapshot of device (-1: every device in use); with_traces non-zero also copies the
+ *  recorded history (sp_record_history). Segments come in the order sp_snapshot_json lists them. */
+sp_status sp_snapshot_take(int device, int with_traces, sp_snapshot** out);
+sp_status sp_snapshot_free(sp_snapshot* s);  /* NULL: SP_OK */
+size_t sp_snapshot_segment_count(const sp_snapshot* s);
+sp_status sp_snapshot_segment(const sp_snapshot* s, size_t i, sp_segment_view* out);
+sp_status sp_snapshot_block(const sp_snapshot* s, size_t segment, size_t j, sp_block_view* out);
+/** Recorded events, by device ascending, oldest first within a device (sp_trace_event.device
+ *  says which). */
+size_t sp_snapshot_trace_count(const sp_snapshot* s);
+sp_status sp_snapshot_trace(const sp_snapshot* s, size_t i, sp_trace_event* out);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Bytes of simulated device memory (for tests)                                               */
