@@ -14,13 +14,15 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::panic::catch_unwind;
 use std::ptr::{self, NonNull};
 
-use slotpool_core::{MemoryStats, PoolId, PoolOptions};
+use slotpool_core::{MemoryStats, PoolOptions};
 
 use crate::error::{Error, Result, ffi, last_error_ptr, sp_status};
 use crate::out::{put, put_opt, required};
 use crate::runtime::{self, DevAlloc, Runtime, each, runtime};
 use crate::snapshot::snapshot_json;
-use crate::types::{sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind};
+use slotpool_abi::{sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind};
+
+use crate::convert::{ToC, ToCore, route_filter};
 
 // ------------------------------------------------------------------------------------------------
 // Helpers
@@ -62,7 +64,7 @@ unsafe fn opt_str_arg<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str
 unsafe fn options_arg(p: *const sp_pool_options) -> PoolOptions {
     // SAFETY: `p` is NULL or valid for reads, by the caller's contract.
     match unsafe { p.as_ref() } {
-        Some(o) => o.into(),
+        Some(o) => o.core(),
         None => PoolOptions::default(),
     }
 }
@@ -542,7 +544,7 @@ pub unsafe extern "C" fn sp_pool_create_or_incref(
         // SAFETY: NULL or readable by the caller's contract.
         let options = unsafe { options_arg(opts) };
         let n =
-            each!(runtime()?.device(device)?, a => a.create_or_incref_pool(id.into(), options))?;
+            each!(runtime()?.device(device)?, a => a.create_or_incref_pool(id.core(), options))?;
         // SAFETY: NULL or valid for writes by the caller's contract.
         unsafe { put_opt(use_count, n) };
         Ok(())
@@ -571,7 +573,7 @@ pub unsafe extern "C" fn sp_pool_named(
         let options = unsafe { options_arg(opts) };
         let id = each!(runtime()?.device(device)?, a => a.named_pool(name, options))?;
         // SAFETY: non-null and valid for writes by the caller's contract.
-        unsafe { put(out, id.into()) };
+        unsafe { put(out, id.c()) };
         Ok(())
     })
 }
@@ -589,7 +591,7 @@ pub unsafe extern "C" fn sp_pool_release(
     remaining: *mut u64,
 ) -> sp_status {
     ffi(|| {
-        let n = each!(runtime()?.device(device)?, a => a.release_pool(id.into()))?;
+        let n = each!(runtime()?.device(device)?, a => a.release_pool(id.core()))?;
         // SAFETY: NULL or valid for writes by the caller's contract.
         unsafe { put_opt(remaining, n) };
         Ok(())
@@ -609,7 +611,7 @@ pub unsafe extern "C" fn sp_pool_use_count(
 ) -> sp_status {
     ffi(|| {
         let out = required(out, "out")?;
-        let n = each!(runtime()?.device(device)?, a => a.pool_use_count(id.into()))?;
+        let n = each!(runtime()?.device(device)?, a => a.pool_use_count(id.core()))?;
         // SAFETY: non-null and valid for writes by the caller's contract.
         unsafe { put(out, n) };
         Ok(())
@@ -633,7 +635,7 @@ pub unsafe extern "C" fn sp_pool_set_options(
         }
         // SAFETY: non-null and readable by the caller's contract.
         let options = unsafe { options_arg(opts) };
-        each!(runtime()?.device(device)?, a => a.set_pool_options(id.into(), options))?;
+        each!(runtime()?.device(device)?, a => a.set_pool_options(id.core(), options))?;
         Ok(())
     })
 }
@@ -642,7 +644,7 @@ pub unsafe extern "C" fn sp_pool_set_options(
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_pool_empty_cache(device: c_int, id: sp_pool_id) -> sp_status {
     ffi(|| {
-        each!(runtime()?.device(device)?, a => a.empty_pool_cache(id.into()))?;
+        each!(runtime()?.device(device)?, a => a.empty_pool_cache(id.core()))?;
         Ok(())
     })
 }
@@ -664,7 +666,7 @@ pub unsafe extern "C" fn sp_pool_alloc(
         let out = required(out, "out")?;
         // SAFETY: non-null and valid for writes by the caller's contract.
         unsafe { put(out, ptr::null_mut()) };
-        let pool = PoolId::from(id);
+        let pool = id.core();
         let d = runtime()?.device(device)?;
         let p = each!(d, a => a.alloc_in(pool, size_arg(size), stream))?;
         // SAFETY: as above.
@@ -683,8 +685,8 @@ pub extern "C" fn sp_begin_allocate_to_pool(
     arg: u64,
 ) -> sp_status {
     ffi(|| {
-        let filter = kind.filter(arg)?;
-        each!(runtime()?.device(device)?, a => a.begin_allocate_to_pool(id.into(), filter))?;
+        let filter = route_filter(kind, arg)?;
+        each!(runtime()?.device(device)?, a => a.begin_allocate_to_pool(id.core(), filter))?;
         Ok(())
     })
 }
@@ -693,7 +695,7 @@ pub extern "C" fn sp_begin_allocate_to_pool(
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_end_allocate_to_pool(device: c_int, id: sp_pool_id) -> sp_status {
     ffi(|| {
-        each!(runtime()?.device(device)?, a => a.end_allocate_to_pool(id.into()))?;
+        each!(runtime()?.device(device)?, a => a.end_allocate_to_pool(id.core()))?;
         Ok(())
     })
 }
@@ -725,7 +727,7 @@ pub unsafe extern "C" fn sp_memory_stats_get(
             }
         };
         // SAFETY: non-null and valid for writes by the caller's contract.
-        unsafe { put(out, (&stats).into()) };
+        unsafe { put(out, stats.c()) };
         Ok(())
     })
 }
@@ -775,9 +777,9 @@ pub unsafe extern "C" fn sp_pool_stats_get(
 ) -> sp_status {
     ffi(|| {
         let out = required(out, "out")?;
-        let stats = each!(runtime()?.device(device)?, a => a.pool_stats(id.into()))?;
+        let stats = each!(runtime()?.device(device)?, a => a.pool_stats(id.core()))?;
         // SAFETY: non-null and valid for writes by the caller's contract.
-        unsafe { put(out, (&stats).into()) };
+        unsafe { put(out, stats.c()) };
         Ok(())
     })
 }

@@ -16,7 +16,9 @@ use crate::error::{Error, Result, ffi, ffi_value, sp_status};
 use crate::handle::{Kind, Registry};
 use crate::out::{put, put_opt, required};
 use crate::runtime::{DevAlloc, TraceCallback, each, runtime};
-use crate::types::{sp_pool_id, sp_trace_event};
+use slotpool_abi::{sp_pool_id, sp_trace_event};
+
+use crate::convert::ToCore;
 
 /// A checkpoint handle (opaque to C: the pointer is a token, never dereferenced).
 #[allow(non_camel_case_types)]
@@ -148,7 +150,7 @@ pub unsafe extern "C" fn sp_checkpoint_take(
         let out = required(out, "out")?;
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, std::ptr::null_mut()) };
-        let cp = each!(runtime()?.device(device)?, a => a.checkpoint(id.into()))?;
+        let cp = each!(runtime()?.device(device)?, a => a.checkpoint(id.core()))?;
         let t = CHECKPOINTS.insert(CheckpointObj { device, cp })?;
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, handle(t)) };
@@ -194,7 +196,7 @@ pub unsafe extern "C" fn sp_checkpoint_restore(
         let d = runtime()?.device(device)?;
         // SAFETY: forwarded from the caller's contract.
         let keep = unsafe { ptr_list(d, keep_live, n_keep, "keep_live") }?;
-        let delta = each!(d, a => a.restore(id.into(), &c.cp, &keep))?;
+        let delta = each!(d, a => a.restore(id.core(), &c.cp, &keep))?;
         // SAFETY: NULL or valid for a write by the caller's contract.
         unsafe { deliver(delta, delta_out) }
     })
@@ -301,7 +303,7 @@ pub unsafe extern "C" fn sp_variant_group_create(
         let out = required(out, "out")?;
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, std::ptr::null_mut()) };
-        let group = each!(runtime()?.device(device)?, a => a.variant_group(id.into(), count))?;
+        let group = each!(runtime()?.device(device)?, a => a.variant_group(id.core(), count))?;
         let t = GROUPS.insert(GroupObj {
             device,
             group: Mutex::new(group),
@@ -377,7 +379,7 @@ pub unsafe extern "C" fn sp_arena_create(
 ) -> sp_status {
     ffi(|| {
         let out = required(out, "out")?;
-        let ar = each!(runtime()?.device(device)?, a => a.arena_create(id.into(), stream))?;
+        let ar = each!(runtime()?.device(device)?, a => a.arena_create(id.core(), stream))?;
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, ar.0) };
         Ok(())
@@ -458,7 +460,7 @@ pub unsafe extern "C" fn sp_pool_verify_live(
         let d = runtime()?.device(device)?;
         // SAFETY: forwarded from the caller's contract.
         let list = unsafe { ptr_list(d, ptrs, n, "ptrs") }?;
-        each!(d, a => a.verify_live(id.into(), &list))?;
+        each!(d, a => a.verify_live(id.core(), &list))?;
         Ok(())
     })
 }
@@ -476,7 +478,7 @@ pub unsafe extern "C" fn sp_pool_live_count(
 ) -> sp_status {
     ffi(|| {
         let out = required(out, "out")?;
-        let n = each!(runtime()?.device(device)?, a => a.live_allocations(id.into()))?.len();
+        let n = each!(runtime()?.device(device)?, a => a.live_allocations(id.core()))?.len();
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, n) };
         Ok(())
@@ -496,7 +498,7 @@ pub unsafe extern "C" fn sp_pool_drain_pending_frees(
     left: *mut usize,
 ) -> sp_status {
     ffi(|| {
-        let n = each!(runtime()?.device(device)?, a => a.drain_pending_frees(id.into()))?;
+        let n = each!(runtime()?.device(device)?, a => a.drain_pending_frees(id.core()))?;
         // SAFETY: NULL or valid for a write by the caller's contract.
         unsafe { put_opt(left, n) };
         Ok(())

@@ -19,7 +19,9 @@ use slotpool_cuda::CudaDevice;
 use slotpool_sim::{Backing, SimConfig, SimDevice};
 
 use crate::error::{Error, Result};
-use crate::types::sp_trace_event;
+use slotpool_abi::sp_trace_event;
+
+use crate::convert::trace_event;
 
 /// Environment variable naming the backend for lazy initialisation (`cuda`, `sim`, `auto`).
 pub const ENV_BACKEND: &str = "SLOTPOOL_BACKEND";
@@ -375,7 +377,7 @@ impl TraceCallback {
     /// The core's sink for device `device`: one C call per entry.
     fn sink(self, device: usize) -> TraceSink {
         Arc::new(move |e: &TraceEntry| {
-            let event = sp_trace_event::new(device as c_int, e);
+            let event = trace_event(device as c_int, e);
             // SAFETY: `sp_set_trace_callback`'s contract: the function may be called from any
             // thread, with an event valid for the call and the caller's `user_data`, until it
             // is replaced; it does not unwind and does not call slotpool.
