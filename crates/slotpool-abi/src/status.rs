@@ -100,7 +100,10 @@ mod tests {
             assert!(s.message().ends_with('.'), "{s:?}");
         }
         assert_eq!(sp_status::ALL.len(), 13);
-        assert_eq!(sp_status::name_of(2).to_str().unwrap(), "SP_ERR_OUT_OF_MEMORY");
+        assert_eq!(
+            sp_status::name_of(2).to_str().unwrap(),
+            "SP_ERR_OUT_OF_MEMORY"
+        );
         let past = sp_status::ALL.len() as c_int;
         for unknown in [-1, past, 1000, c_int::MIN, c_int::MAX] {
             assert_eq!(sp_status::from_code(unknown), None);

@@ -6,8 +6,8 @@
 use std::ffi::c_int;
 
 use slotpool_abi::{
-    sp_backend_calls, sp_block_state, sp_memory_stats, sp_pool_id, sp_pool_options,
-    sp_route_kind, sp_stat, sp_stat_array, sp_trace_action, sp_trace_event,
+    sp_backend_calls, sp_block_state, sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind,
+    sp_stat, sp_stat_array, sp_trace_action, sp_trace_event,
 };
 use slotpool_core::block::BlockState;
 use slotpool_core::{

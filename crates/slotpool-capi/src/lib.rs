@@ -38,3 +38,4 @@ pub use ipc::*;
 pub use pause::*;
 pub use sim::*;
 pub use slotpool_abi::types::*;
+pub use snapshot::handle::*;

@@ -47,7 +47,7 @@ fn delta(p: sp_pool_id, cp: *const sp_checkpoint) -> *mut sp_restore_delta {
     alloc_in(p, MIB);
     let mut d = null_mut();
     // SAFETY: a live handle; valid out-pointer.
-    ok(unsafe { sp_checkpoint_restore(SHARED, p, cp, null(), 0, &mut d) });
+    ok(unsafe { sp_checkpoint_restore(cp, null(), 0, &mut d) });
     assert!(!d.is_null());
     assert!(sp_delta_freed_count(d) >= 1);
     d
@@ -98,7 +98,7 @@ fn a_handle_of_one_kind_is_refused_where_another_is_expected() {
         unsafe {
             refused(sp_checkpoint_free(as_cp(other)), "not a checkpoint");
             refused(
-                sp_checkpoint_restore(SHARED, p, as_cp(other), null(), 0, null_mut()),
+                sp_checkpoint_restore(as_cp(other), null(), 0, null_mut()),
                 "not a checkpoint",
             );
         }
@@ -144,7 +144,7 @@ fn a_handle_of_one_kind_is_refused_where_another_is_expected() {
     unsafe {
         ok(sp_variant_begin(g, 1, null_mut()));
         ok(sp_variant_end(g));
-        ok(sp_checkpoint_restore(SHARED, p, cp, null(), 0, null_mut()));
+        ok(sp_checkpoint_restore(cp, null(), 0, null_mut()));
         ok(sp_delta_free(d));
         ok(sp_checkpoint_free(cp));
         ok(sp_variant_group_free(g));
@@ -172,10 +172,7 @@ fn a_freed_handle_stays_refused_after_its_slot_is_reused() {
     let before = state(p);
     // SAFETY: a freed handle is refused, never read.
     unsafe {
-        refused(
-            sp_checkpoint_restore(SHARED, p, old, null(), 0, null_mut()),
-            "freed",
-        );
+        refused(sp_checkpoint_restore(old, null(), 0, null_mut()), "freed");
         refused(sp_checkpoint_free(old), "freed");
     }
     assert_eq!(state(p), before);
@@ -214,14 +211,7 @@ fn made_up_handles_are_refused() {
         // SAFETY: values that are not handles are refused, never read.
         unsafe {
             expect(
-                sp_checkpoint_restore(
-                    SHARED,
-                    pool(1),
-                    v as *const sp_checkpoint,
-                    null(),
-                    0,
-                    null_mut(),
-                ),
+                sp_checkpoint_restore(v as *const sp_checkpoint, null(), 0, null_mut()),
                 INVALID,
             );
             expect(sp_checkpoint_free(v as *mut sp_checkpoint), INVALID);
@@ -256,8 +246,7 @@ fn a_handle_freed_on_another_thread_while_in_use_is_never_read_after_free() {
         let user = std::thread::spawn(move || {
             // SAFETY: a handle that another thread may free meanwhile: either call succeeds or
             // it is refused as freed.
-            let s =
-                unsafe { sp_checkpoint_restore(SHARED, p, cp as *const _, null(), 0, null_mut()) };
+            let s = unsafe { sp_checkpoint_restore(cp as *const _, null(), 0, null_mut()) };
             assert!(
                 s == sp_status::SP_OK || s == INVALID,
                 "{s:?}: {}",
@@ -290,7 +279,7 @@ fn pointer_lists_too_long_for_any_device_are_refused() {
         // SAFETY: a list whose length no device can have is refused before it is read.
         unsafe {
             refused(
-                sp_checkpoint_restore(SHARED, p, cp, keep.as_ptr(), n, null_mut()),
+                sp_checkpoint_restore(cp, keep.as_ptr(), n, null_mut()),
                 "entries",
             );
             refused(sp_pool_verify_live(SHARED, p, keep.as_ptr(), n), "entries");
@@ -301,14 +290,7 @@ fn pointer_lists_too_long_for_any_device_are_refused() {
     // SAFETY: one readable pointer.
     unsafe {
         ok(sp_pool_verify_live(SHARED, p, keep.as_ptr(), 1));
-        ok(sp_checkpoint_restore(
-            SHARED,
-            p,
-            cp,
-            keep.as_ptr(),
-            1,
-            null_mut(),
-        ));
+        ok(sp_checkpoint_restore(cp, keep.as_ptr(), 1, null_mut()));
         ok(sp_checkpoint_free(cp));
     }
     ok(sp_free(a));

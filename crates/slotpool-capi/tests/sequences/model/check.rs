@@ -4,6 +4,8 @@
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
+use serde_json::Value;
+
 use slotpool::*;
 
 use super::{DEVICES, Live, Model, pool_id, verify};
@@ -89,6 +91,26 @@ impl Model {
             let s = unsafe { sp_pool_verify_live(0, p, list.as_ptr(), list.len()) };
             assert_eq!(s, sp_status::SP_OK, "pool {i}: {}", last_error());
         }
+        for (i, &p) in self.pools.iter().enumerate() {
+            live_allocations_agree(p, &self.pool_live(i), &format!("pool {i}"));
+            let mut o = sp_pool_options {
+                no_split: 9,
+                ..sp_pool_options::default()
+            };
+            // SAFETY: valid out-pointer.
+            ok(unsafe { sp_pool_options_get(0, p, &mut o) });
+            assert_eq!(
+                o,
+                sp_pool_options::default(),
+                "pool {i}: created with NULL options"
+            );
+        }
+        for c in &self.cps {
+            let (mut dev, mut pool) = (-1, pool_id(0));
+            // SAFETY: a live handle; valid out-pointers.
+            ok(unsafe { sp_checkpoint_info(c.handle as *const _, &mut dev, &mut pool) });
+            assert_eq!((dev, pool), (0, self.pools[c.pool]), "checkpoint info");
+        }
         for l in &self.live {
             verify(l.dev, l.ptr, l.requested, l.seed, all, "allocation");
         }
@@ -115,6 +137,10 @@ impl Model {
         for d in std::mem::take(&mut self.deltas) {
             // SAFETY: a live handle.
             ok(unsafe { sp_delta_free(d as *mut _) });
+        }
+        for h in std::mem::take(&mut self.snapshots) {
+            // SAFETY: a live handle.
+            ok(unsafe { sp_snapshot_free(h as *mut _) });
         }
         for c in std::mem::take(&mut self.cps) {
             // SAFETY: a live handle.
@@ -160,6 +186,9 @@ impl Model {
             for d in std::mem::take(&mut self.deltas) {
                 sp_delta_free(d as *mut _);
             }
+            for h in std::mem::take(&mut self.snapshots) {
+                sp_snapshot_free(h as *mut _);
+            }
             for c in std::mem::take(&mut self.cps) {
                 sp_checkpoint_free(c.handle as *mut _);
             }
@@ -176,5 +205,159 @@ impl Model {
         for l in std::mem::take(&mut self.live) {
             sp_free(l.ptr as *mut c_void);
         }
+    }
+}
+
+/// `sp_pool_live_allocations` of pool `p` against the model's `live`: the total, every entry,
+/// lowest address first, and a call with too little room writing only what fits.
+fn live_allocations_agree(p: sp_pool_id, live: &[Live], what: &str) {
+    let mut want: Vec<(usize, u64, u64, u64)> = live
+        .iter()
+        .map(|l| (l.ptr, l.rounded as u64, l.requested as u64, l.stream))
+        .collect();
+    want.sort_unstable();
+    let mut total = usize::MAX;
+    // SAFETY: cap 0 with NULL out; valid total.
+    ok(unsafe { sp_pool_live_allocations(0, p, null_mut(), 0, &mut total) });
+    assert_eq!(total, want.len(), "{what}: live allocations");
+    let blank = sp_allocation {
+        ptr: null_mut(),
+        size: 0,
+        requested_size: 0,
+        stream: 0,
+    };
+    let mut out = vec![blank; want.len() + 1];
+    // SAFETY: `out` holds out.len() entries.
+    ok(unsafe { sp_pool_live_allocations(0, p, out.as_mut_ptr(), out.len(), &mut total) });
+    assert_eq!(total, want.len());
+    let got: Vec<(usize, u64, u64, u64)> = out[..total]
+        .iter()
+        .map(|a| (a.ptr as usize, a.size, a.requested_size, a.stream))
+        .collect();
+    assert_eq!(
+        got, want,
+        "{what}: (ptr, size, requested, stream) of each live allocation"
+    );
+    assert_eq!(out[total], blank, "{what}: written past the total");
+    if total > 1 {
+        let mut short = vec![blank; total];
+        let cap = total / 2;
+        // SAFETY: `short` holds at least `cap` entries.
+        ok(unsafe { sp_pool_live_allocations(0, p, short.as_mut_ptr(), cap, &mut total) });
+        assert_eq!(total, want.len(), "{what}: the total, also when truncated");
+        assert_eq!(&short[..cap], &out[..cap]);
+        assert!(
+            short[cap..].iter().all(|a| *a == blank),
+            "{what}: written past cap"
+        );
+    }
+}
+
+/// The snapshot handle `h` against the JSON snapshot `json` taken at the same state: every
+/// segment's fields and every block's, in the same order, and every recorded event.
+pub(super) fn snapshot_agrees(h: *mut sp_snapshot, json: &str) {
+    let v: Value = serde_json::from_str(json).expect("the snapshot is JSON");
+    let segs = v["segments"].as_array().expect("segments");
+    let s = h as *const sp_snapshot;
+    assert_eq!(sp_snapshot_segment_count(s), segs.len(), "segment count");
+    let u = |x: &Value| x.as_u64().expect("a number");
+    for (i, js) in segs.iter().enumerate() {
+        let mut seg = sp_segment_view::default();
+        // SAFETY: a live handle; valid out-pointer.
+        ok(unsafe { sp_snapshot_segment(s, i, &mut seg) });
+        let pool = js["segment_pool_id"].as_array().expect("pool id");
+        assert_eq!(
+            (
+                seg.device as u64,
+                seg.address,
+                seg.total_size,
+                seg.stream,
+                seg.is_large != 0,
+                seg.is_expandable != 0,
+                (seg.pool.a, seg.pool.b),
+                seg.reserved0,
+            ),
+            (
+                u(&js["device"]),
+                u(&js["address"]),
+                u(&js["total_size"]),
+                u(&js["stream"]),
+                js["segment_type"] == "large",
+                js["is_expandable"] == true,
+                (u(&pool[0]), u(&pool[1])),
+                0,
+            ),
+            "segment {i}"
+        );
+        let blocks = js["blocks"].as_array().expect("blocks");
+        assert_eq!(seg.block_count, blocks.len(), "segment {i}: blocks");
+        for (j, jb) in blocks.iter().enumerate() {
+            let mut b = sp_block_view {
+                address: 0,
+                size: 0,
+                requested_size: 0,
+                state: sp_block_state(-1),
+            };
+            // SAFETY: a live handle; valid out-pointer.
+            ok(unsafe { sp_snapshot_block(s, i, j, &mut b) });
+            let state = match jb["state"].as_str().expect("state") {
+                "inactive" => sp_block_state::SP_BLOCK_INACTIVE,
+                "active_allocated" => sp_block_state::SP_BLOCK_ACTIVE_ALLOCATED,
+                "active_pending_free" => sp_block_state::SP_BLOCK_ACTIVE_PENDING_FREE,
+                other => panic!("state {other}"),
+            };
+            assert_eq!(
+                (b.address, b.size, b.requested_size, b.state),
+                (
+                    u(&jb["address"]),
+                    u(&jb["size"]),
+                    u(&jb["requested_size"]),
+                    state
+                ),
+                "segment {i} block {j}"
+            );
+        }
+    }
+    let traces: Vec<(usize, &Value)> = v["device_traces"]
+        .as_array()
+        .expect("device_traces")
+        .iter()
+        .enumerate()
+        .flat_map(|(d, t)| {
+            t.as_array()
+                .expect("a device's trace")
+                .iter()
+                .map(move |e| (d, e))
+        })
+        .collect();
+    let n = sp_snapshot_trace_count(s);
+    assert!(
+        n == 0 || n == traces.len(),
+        "{n} events against {}",
+        traces.len()
+    );
+    for i in 0..n {
+        let (d, je) = traces[i];
+        let mut e = sp_trace_event {
+            action: sp_trace_action(-1),
+            device: -1,
+            addr: 0,
+            size: 0,
+            stream: 0,
+            time_us: 0,
+        };
+        // SAFETY: a live handle; valid out-pointer.
+        ok(unsafe { sp_snapshot_trace(s, i, &mut e) });
+        assert_eq!(
+            (e.device as usize, e.addr, e.size, e.stream, e.time_us),
+            (
+                d,
+                u(&je["addr"]),
+                u(&je["size"]),
+                u(&je["stream"]),
+                u(&je["time_us"])
+            ),
+            "event {i}"
+        );
     }
 }
