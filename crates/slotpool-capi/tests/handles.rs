@@ -87,12 +87,20 @@ fn a_handle_of_one_kind_is_refused_where_another_is_expected() {
     let cp = checkpoint(p);
     let d = delta(p, cp);
     let g = group(pool(31_002), 2);
+    let s = snapshot();
     let before = state(p);
     let as_cp = |x: *mut c_void| x as *mut sp_checkpoint;
     let as_d = |x: *mut c_void| x as *mut sp_restore_delta;
     let as_g = |x: *mut c_void| x as *mut sp_variant_group;
-    let (cpv, dv, gv) = (cp.cast::<c_void>(), d.cast::<c_void>(), g.cast::<c_void>());
-    for other in [dv, gv] {
+    let as_s = |x: *mut c_void| x as *mut sp_snapshot;
+    let (cpv, dv, gv, sv) = (
+        cp.cast::<c_void>(),
+        d.cast::<c_void>(),
+        g.cast::<c_void>(),
+        s.cast::<c_void>(),
+    );
+    for other in [dv, gv, sv] {
+        let (mut dev, mut id) = (-7, pool(1));
         // SAFETY: every call below gets a value that is a live handle of another kind; the
         // registry refuses it before anything is read through it.
         unsafe {
@@ -101,9 +109,17 @@ fn a_handle_of_one_kind_is_refused_where_another_is_expected() {
                 sp_checkpoint_restore(as_cp(other), null(), 0, null_mut()),
                 "not a checkpoint",
             );
+            refused(
+                sp_checkpoint_info(as_cp(other), &mut dev, &mut id),
+                "not a checkpoint",
+            );
         }
+        assert_eq!((dev, id), (-7, pool(1)), "nothing written");
     }
-    for other in [cpv, gv] {
+    for other in [cpv, dv, gv] {
+        snapshot_refused(as_s(other), "not a snapshot");
+    }
+    for other in [cpv, gv, sv] {
         // SAFETY: as above.
         unsafe {
             refused(sp_delta_free(as_d(other)), "not a restore delta");
@@ -125,7 +141,7 @@ fn a_handle_of_one_kind_is_refused_where_another_is_expected() {
         );
         assert_eq!(sp_delta_created_count(as_d(other)), 0);
     }
-    for other in [cpv, dv] {
+    for other in [cpv, dv, sv] {
         // SAFETY: as above.
         unsafe {
             refused(sp_variant_group_free(as_g(other)), "not a variant group");
@@ -148,8 +164,59 @@ fn a_handle_of_one_kind_is_refused_where_another_is_expected() {
         ok(sp_delta_free(d));
         ok(sp_checkpoint_free(cp));
         ok(sp_variant_group_free(g));
+        assert!(sp_snapshot_segment_count(s) >= 1);
+        ok(sp_snapshot_free(s));
     }
     ok(sp_check_invariants(SHARED));
+}
+
+/// A snapshot of the shared device.
+fn snapshot() -> *mut sp_snapshot {
+    let mut s = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_snapshot_take(SHARED, 1, &mut s) });
+    assert!(!s.is_null());
+    s
+}
+
+/// Every snapshot call refuses `s` with a message containing `what` and writes nothing.
+#[track_caller]
+fn snapshot_refused(s: *mut sp_snapshot, what: &str) {
+    let mut seg = sp_segment_view {
+        device: -7,
+        ..sp_segment_view::default()
+    };
+    let mut block = sp_block_view {
+        address: 7,
+        size: 0,
+        requested_size: 0,
+        state: sp_block_state(-1),
+    };
+    let mut event = sp_trace_event {
+        action: sp_trace_action(-1),
+        device: -7,
+        addr: 0,
+        size: 0,
+        stream: 0,
+        time_us: 0,
+    };
+    let (seg0, block0, event0) = (seg, block, event);
+    // SAFETY: `s` is checked by the registry before use; out-pointers are valid.
+    unsafe {
+        refused(sp_snapshot_segment(s, 0, &mut seg), what);
+        refused(sp_snapshot_block(s, 0, 0, &mut block), what);
+        refused(sp_snapshot_trace(s, 0, &mut event), what);
+        assert_eq!(sp_snapshot_segment_count(s), 0);
+        assert!(last_error().contains(what), "{}", last_error());
+        assert_eq!(sp_snapshot_trace_count(s), 0);
+        assert!(last_error().contains(what), "{}", last_error());
+        refused(sp_snapshot_free(s), what);
+    }
+    assert_eq!(
+        (seg, block, event),
+        (seg0, block0, event0),
+        "nothing written"
+    );
 }
 
 #[test]
@@ -187,6 +254,13 @@ fn a_freed_handle_stays_refused_after_its_slot_is_reused() {
         ok(sp_variant_group_free(g));
         refused(sp_variant_begin(g, 0, null_mut()), "freed");
         refused(sp_variant_group_free(g), "freed");
+        let s = snapshot();
+        ok(sp_snapshot_free(s));
+        // Whatever a new snapshot's slot is, the old handle stays dead.
+        let again = snapshot();
+        assert_ne!(again, s);
+        snapshot_refused(s, "freed");
+        ok(sp_snapshot_free(again));
     }
     for cp in fresh {
         // SAFETY: live handles.
@@ -224,6 +298,7 @@ fn made_up_handles_are_refused() {
             expect(sp_variant_group_free(v as *mut sp_variant_group), INVALID);
         }
         assert_eq!(sp_delta_created_count(v as *const sp_restore_delta), 0);
+        snapshot_refused(v as *mut sp_snapshot, "never returned by slotpool");
     }
     // NULL: the _free functions accept it, the others refuse it.
     // SAFETY: NULL handles.
@@ -231,8 +306,13 @@ fn made_up_handles_are_refused() {
         ok(sp_checkpoint_free(null_mut()));
         ok(sp_delta_free(null_mut()));
         ok(sp_variant_group_free(null_mut()));
+        ok(sp_snapshot_free(null_mut()));
         refused(sp_variant_end(null()), "NULL");
+        refused(sp_checkpoint_info(null(), null_mut(), null_mut()), "NULL");
+        let mut seg = sp_segment_view::default();
+        refused(sp_snapshot_segment(null(), 0, &mut seg), "NULL");
     }
+    assert_eq!(sp_snapshot_segment_count(null()), 0);
 }
 
 #[test]

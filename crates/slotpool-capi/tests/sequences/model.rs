@@ -696,7 +696,7 @@ impl Model {
                 let mut h = null_mut();
                 // SAFETY: valid out-pointer.
                 ok(unsafe { sp_snapshot_take(-1, i32::from(traces), &mut h) });
-                check::snapshot_agrees(h, &snapshot());
+                crate::common::views::snapshot_agrees(h, &snapshot());
                 self.snapshots.push(h as usize);
             }
             Op::SnapshotFree { pick } => {
