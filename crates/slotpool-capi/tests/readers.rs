@@ -268,3 +268,49 @@ fn the_snapshot_handle_agrees_with_the_json_including_history() {
     ok(sp_record_history(QUIET, 0));
     ok(sp_clear_history(QUIET));
 }
+
+/// The rows of the keys table of `docs/configuration.md`: (key, default cell).
+fn documented_defaults() -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(repo_root().join("docs/configuration.md")).unwrap();
+    let start = text.find("| key | default |").expect("the keys table");
+    text[start..]
+        .lines()
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            (cells[1].trim_matches('`').to_string(), cells[2].to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn the_configuration_table_gives_the_defaults_the_library_reads() {
+    // The one table of keys and defaults, against what the library reads at its defaults.
+    let (config, sim) = runtime::parse_conf("", "").unwrap();
+    let rows = documented_defaults();
+    let mut keys: Vec<&str> = rows.iter().map(|(k, _)| k.as_str()).collect();
+    keys.sort_unstable();
+    let mut all: Vec<&str> = slotpool_core::Config::KEYS
+        .iter()
+        .chain(slotpool_sim::keys::SIM_KEYS)
+        .copied()
+        .collect();
+    all.sort_unstable();
+    assert_eq!(keys, all, "every key once");
+    for (key, cell) in &rows {
+        let value = if key.starts_with("sim_") {
+            use slotpool_core::KeyOwner;
+            sim.settings()
+                .into_iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v)
+        } else {
+            config.value(key).unwrap()
+        };
+        match value {
+            Some(v) => assert_eq!(cell, &format!("`{v}`"), "{key}"),
+            None => assert!(cell.starts_with("unset"), "{key}: {cell}"),
+        }
+    }
+}

@@ -152,7 +152,7 @@ const PROGRESS_MIN_OPS: u64 = 100_000;
 const PROGRESS_MIN_BYTES: u64 = 256 << 10;
 
 fn run_replay(args: &ReplayArgs) -> Result<(), String> {
-    let env_conf = std::env::var(ENV_CONF).ok();
+    let env_conf = slotpool_core::layers::env_conf();
     let config = resolve(
         replay_defaults(),
         &Layers {

@@ -42,17 +42,7 @@ pub struct Layer<'a> {
     pub text: &'a str,
 }
 
-impl<'a> Layer<'a> {
-    /// Layer 2: `SLOTPOOL_CONF`'s text, read from the environment (unset: empty).
-    pub fn env(text: &'a Option<String>) -> Layer<'a> {
-        Layer {
-            source: ENV_CONF,
-            text: text.as_deref().unwrap_or(""),
-        }
-    }
-}
-
-/// `SLOTPOOL_CONF`, for [`Layer::env`].
+/// `SLOTPOOL_CONF`'s text, the second layer (unset: `None`).
 pub fn env_conf() -> Option<String> {
     std::env::var(ENV_CONF).ok()
 }
