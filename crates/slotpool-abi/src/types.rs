@@ -88,8 +88,9 @@ pub struct sp_memory_stats {
     pub reserved_paused_bytes: sp_stat_array,
 }
 
-/// The backend calls a device's allocator made so far, by kind (`sp_backend_calls_get`). `map`
-/// counts pages: a run of n pages mapped at once is n.
+/// The backend calls a device's allocator made so far, by kind (`sp_backend_calls_get`; the
+/// allocator's own count, slotpool-core's `BackendCalls`). `map` counts pages: a run of n pages
+/// mapped at once is n. `synchronize` counts event and device synchronisations.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct sp_backend_calls {
@@ -109,7 +110,7 @@ pub struct sp_backend_calls {
 
 /// What an allocator event was (`sp_trace_action` in C): PyTorch's trace actions.
 #[repr(transparent)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct sp_trace_action(pub c_int);
 
 impl sp_trace_action {
@@ -125,7 +126,7 @@ impl sp_trace_action {
 
 /// One allocator event, as an `sp_trace_callback` and `sp_snapshot_trace` give it.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct sp_trace_event {
     pub action: sp_trace_action,
     pub device: c_int,
@@ -153,7 +154,7 @@ pub struct sp_allocation {
 
 /// A block's state in a snapshot (`sp_block_state` in C; written by slotpool, never read).
 #[repr(transparent)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct sp_block_state(pub c_int);
 
 impl sp_block_state {
@@ -186,7 +187,7 @@ pub struct sp_segment_view {
 
 /// One block of a snapshot's segment (`sp_snapshot_block`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct sp_block_view {
     pub address: u64,
     pub size: u64,

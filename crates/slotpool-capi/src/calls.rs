@@ -5,7 +5,6 @@ use std::ffi::c_int;
 use slotpool_abi::sp_backend_calls;
 use slotpool_core::BackendCalls;
 
-use crate::convert::ToC;
 use crate::error::{ffi, sp_status};
 use crate::out::{put, required};
 use crate::runtime::{each, runtime};
@@ -27,7 +26,7 @@ pub unsafe extern "C" fn sp_backend_calls_get(
             None => BackendCalls::default(),
         };
         // SAFETY: non-null and valid for writes by the caller's contract.
-        unsafe { put(out, calls.c()) };
+        unsafe { put(out, calls) };
         Ok(())
     })
 }

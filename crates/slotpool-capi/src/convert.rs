@@ -6,13 +6,12 @@
 use std::ffi::c_int;
 
 use slotpool_abi::{
-    sp_backend_calls, sp_block_state, sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind,
-    sp_stat, sp_stat_array, sp_trace_action, sp_trace_event,
+    sp_block_state, sp_memory_stats, sp_pool_id, sp_pool_options, sp_route_kind, sp_stat,
+    sp_stat_array, sp_trace_action, sp_trace_event,
 };
 use slotpool_core::block::BlockState;
 use slotpool_core::{
-    BackendCalls, MemoryStats, PoolId, PoolOptions, RouteFilter, Stat, StatArray, TraceAction,
-    TraceEntry,
+    MemoryStats, PoolId, PoolOptions, RouteFilter, Stat, StatArray, TraceAction, TraceEntry,
 };
 
 use crate::error::{Error, Result};
@@ -139,40 +138,6 @@ impl ToC for BlockState {
     }
 }
 
-impl ToC for BackendCalls {
-    type C = sp_backend_calls;
-    fn c(&self) -> sp_backend_calls {
-        let BackendCalls {
-            alloc_segment,
-            free_segment,
-            reserve,
-            release_reservation,
-            create_page,
-            release_page,
-            map,
-            unmap,
-            create_event,
-            record_event,
-            query_event,
-            synchronize,
-        } = *self;
-        sp_backend_calls {
-            alloc_segment,
-            free_segment,
-            reserve,
-            release_reservation,
-            create_page,
-            release_page,
-            map,
-            unmap,
-            create_event,
-            record_event,
-            query_event,
-            synchronize,
-        }
-    }
-}
-
 impl ToC for Stat {
     type C = sp_stat;
     fn c(&self) -> sp_stat {
@@ -287,29 +252,6 @@ mod tests {
         assert_eq!(
             route_filter(sp_route_kind::SP_ROUTE_STREAM, 5).unwrap(),
             RouteFilter::Stream(5)
-        );
-    }
-
-    #[test]
-    fn backend_calls_keep_each_count_in_its_field() {
-        let b = BackendCalls {
-            alloc_segment: 1,
-            free_segment: 2,
-            reserve: 3,
-            release_reservation: 4,
-            create_page: 5,
-            release_page: 6,
-            map: 7,
-            unmap: 8,
-            create_event: 9,
-            record_event: 10,
-            query_event: 11,
-            synchronize: 12,
-        };
-        let c = b.c();
-        assert_eq!(
-            [c.alloc_segment, c.reserve, c.map, c.synchronize],
-            [1, 3, 7, 12]
         );
     }
 }

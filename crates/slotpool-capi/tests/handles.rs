@@ -188,17 +188,13 @@ fn snapshot_refused(s: *mut sp_snapshot, what: &str) {
     };
     let mut block = sp_block_view {
         address: 7,
-        size: 0,
-        requested_size: 0,
         state: sp_block_state(-1),
+        ..sp_block_view::default()
     };
     let mut event = sp_trace_event {
         action: sp_trace_action(-1),
         device: -7,
-        addr: 0,
-        size: 0,
-        stream: 0,
-        time_us: 0,
+        ..sp_trace_event::default()
     };
     let (seg0, block0, event0) = (seg, block, event);
     // SAFETY: `s` is checked by the registry before use; out-pointers are valid.

@@ -67,9 +67,7 @@ pub fn resolve(defaults: Config, layers: &Layers<'_>) -> Result<Config, String> 
             text: layers.conf.unwrap_or(""),
         },
     ];
-    config
-        .apply_layers(&text, None)
-        .map_err(|e| e.0)?;
+    config.apply_layers(&text, None).map_err(|e| e.0)?;
     let conf_growth = layers.conf.and_then(growth_set_by);
     if let (Some(mode), Some(conf)) = (layers.mode, conf_growth)
         && mode != conf

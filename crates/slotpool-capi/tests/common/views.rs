@@ -45,10 +45,8 @@ pub fn snapshot_agrees(h: *mut sp_snapshot, json: &str) {
         assert_eq!(seg.block_count, blocks.len(), "segment {i}: blocks");
         for (j, jb) in blocks.iter().enumerate() {
             let mut b = sp_block_view {
-                address: 0,
-                size: 0,
-                requested_size: 0,
                 state: sp_block_state(-1),
+                ..sp_block_view::default()
             };
             // SAFETY: a live handle; valid out-pointer.
             ok(unsafe { sp_snapshot_block(s, i, j, &mut b) });
@@ -93,10 +91,7 @@ pub fn snapshot_agrees(h: *mut sp_snapshot, json: &str) {
         let mut e = sp_trace_event {
             action: sp_trace_action(-1),
             device: -1,
-            addr: 0,
-            size: 0,
-            stream: 0,
-            time_us: 0,
+            ..sp_trace_event::default()
         };
         // SAFETY: a live handle; valid out-pointer.
         ok(unsafe { sp_snapshot_trace(s, i, &mut e) });

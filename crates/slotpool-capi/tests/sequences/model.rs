@@ -126,20 +126,8 @@ fn call_handle(call: u8, h: usize) -> sp_status {
     let (mut p, mut n) = (null_mut(), 0usize);
     let (mut dev, mut pool) = (0, pool_id(0));
     let mut seg = sp_segment_view::default();
-    let mut block = sp_block_view {
-        address: 0,
-        size: 0,
-        requested_size: 0,
-        state: sp_block_state::SP_BLOCK_INACTIVE,
-    };
-    let mut event = sp_trace_event {
-        action: sp_trace_action::SP_TRACE_ALLOC,
-        device: 0,
-        addr: 0,
-        size: 0,
-        stream: 0,
-        time_us: 0,
-    };
+    let mut block = sp_block_view::default();
+    let mut event = sp_trace_event::default();
     let counted = |c: usize| {
         if c == 0 && !last_error().is_empty() {
             INVALID
@@ -696,7 +684,7 @@ impl Model {
                 let mut h = null_mut();
                 // SAFETY: valid out-pointer.
                 ok(unsafe { sp_snapshot_take(-1, i32::from(traces), &mut h) });
-                crate::common::views::snapshot_agrees(h, &snapshot());
+                views::snapshot_agrees(h, &snapshot());
                 self.snapshots.push(h as usize);
             }
             Op::SnapshotFree { pick } => {

@@ -154,12 +154,7 @@ impl Model {
                 let s = h as *const sp_snapshot;
                 let n = sp_snapshot_segment_count(s);
                 let mut seg = sp_segment_view::default();
-                let mut block = sp_block_view {
-                    address: 0,
-                    size: 0,
-                    requested_size: 0,
-                    state: sp_block_state::SP_BLOCK_INACTIVE,
-                };
+                let mut block = sp_block_view::default();
                 let last = n.saturating_sub(1);
                 let blocks = if n == 0 {
                     0
