@@ -86,8 +86,7 @@ pub fn snapshot_agrees(h: *mut sp_snapshot, json: &str) {
         "{n} events against {}",
         traces.len()
     );
-    for i in 0..n {
-        let (d, je) = traces[i];
+    for (i, &(d, je)) in traces.iter().enumerate().take(n) {
         let mut e = sp_trace_event {
             action: sp_trace_action(-1),
             device: -1,

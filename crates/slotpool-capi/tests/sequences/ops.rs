@@ -151,7 +151,7 @@ pub enum Bad {
     },
     /// `sp_pool_live_allocations` / `sp_pool_options_get` with a NULL out-pointer or an
     /// unknown pool.
-    PoolReaderBad {
+    PoolReaderRefused {
         pool: u8,
         what: u8,
     },
@@ -233,7 +233,7 @@ fn bad() -> impl Strategy<Value = Bad> {
         (any::<u8>(), 24u8..64).prop_map(|(pool, log)| Bad::HugeVerify { pool, log }),
         (any::<u8>(), any::<u16>()).prop_map(|(cp, pick)| Bad::KeepNotInCheckpoint { cp, pick }),
         (any::<u8>(), any::<u8>()).prop_map(|(pick, what)| Bad::SnapshotOutOfRange { pick, what }),
-        (any::<u8>(), any::<u8>()).prop_map(|(pool, what)| Bad::PoolReaderBad { pool, what }),
+        (any::<u8>(), any::<u8>()).prop_map(|(pool, what)| Bad::PoolReaderRefused { pool, what }),
         any::<u8>().prop_map(|pool| Bad::VerifyWrong { pool }),
         any::<bool>().prop_map(|zero| Bad::AllocSize { zero }),
         prop_oneof![Just(-2i32), Just(2), Just(64), Just(i32::MIN)]

@@ -177,7 +177,7 @@ impl Model {
                 self.refuse(INVALID, &format!("snapshot reader {}", what % 5), call);
                 assert_eq!((seg, block), before, "a refused reader wrote its output");
             }
-            Bad::PoolReaderBad { pool, what } => {
+            Bad::PoolReaderRefused { pool, what } => {
                 let id = if what % 2 == 0 {
                     self.pools[pool as usize % self.pools.len()]
                 } else {
