@@ -4,7 +4,7 @@
 //! * [`status`]: the `sp_status` codes, their names (`sp_status_name`) and messages;
 //! * [`types`]: the `#[repr(C)]` structs and enums of `include/slotpool.h`, layout pinned by const
 //!   asserts (and checked against the header by slotpool-capi's `tests/header.rs`);
-//! * [`env`]: the names of the environment variables slotpool reads.
+//! * [`env`](mod@env): the names of the environment variables slotpool reads.
 //!
 //! No `unsafe`, no dependencies: conversions from the allocator's own types live in slotpool-capi.
 #![forbid(unsafe_code)]
