@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
 use rustc_hash::FxHashMap;
 
+use crate::block::MAX_REQUEST;
 use crate::config::{Config, GrowthMode};
 use crate::device::{CaptureStatus, Device, DevicePtr, PageHandle, StreamId};
 use crate::env::{Budget, Env, EventPool, PagePool, Shared};
@@ -21,6 +22,7 @@ use crate::history::TraceSink;
 use crate::pool::{PoolId, PoolOptions};
 use crate::route::{Route, RouteFilter, current_thread_id};
 use crate::shard::{Shard, ShardError};
+pub use crate::snapshot::{BlockSnapshot, SegmentSnapshot};
 use crate::stats::MemoryStats;
 use crate::sync::lock;
 
@@ -33,9 +35,6 @@ pub struct SharedPages {
     pub pages: Vec<PageHandle>,
     pub offset: u64,
 }
-
-/// Largest request accepted (2^56 bytes); anything above is a caller bug, not an OOM.
-pub const MAX_REQUEST: u64 = 1 << 56;
 
 /// Requests above this size are also checked against the device's memory before they are served.
 const LARGE_REQUEST: u64 = 1 << 30;
@@ -1509,35 +1508,6 @@ pub(crate) fn shard_error(e: ShardError) -> AllocError {
         }
         ShardError::Paused => AllocError::InvalidState("the pool is paused".into()),
     }
-}
-
-/// One block of a [`SegmentSnapshot`].
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct BlockSnapshot {
-    pub addr: DevicePtr,
-    /// Rounded size (clipped to the segment's mapped run for vmm free blocks).
-    pub size: u64,
-    /// Size the user asked for (0 when free).
-    pub requested: u64,
-    pub state: crate::block::BlockState,
-}
-
-/// One segment as [`Allocator::snapshot`] reports it: a classic segment, or one contiguous mapped
-/// run of a vmm reservation.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct SegmentSnapshot {
-    pub pool: PoolId,
-    pub stream: StreamId,
-    pub addr: DevicePtr,
-    pub size: u64,
-    /// Serves small (<= 1 MiB) requests.
-    pub small: bool,
-    /// Part of a vmm reservation (PyTorch's `is_expandable`).
-    pub vmm: bool,
-    /// Its pool is paused: the run's pages are given back and mapped again by the resume.
-    pub paused: bool,
-    /// Blocks in address order, tiling `[addr, addr + size)`.
-    pub blocks: Vec<BlockSnapshot>,
 }
 
 /// The shard table: one shard per (pool, stream).

@@ -29,13 +29,13 @@ mod api;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::allocator::{BlockSnapshot, SegmentSnapshot};
 use crate::block::BlockState;
 use crate::device::{DeviceError, DevicePtr, DeviceResult, PageHandle, StreamId};
 use crate::env::{Budget, Env};
 use crate::error::{AllocError, AllocResult};
 use crate::policy::MIN_BLOCK_SIZE;
 use crate::pool::PoolId;
+use crate::snapshot::{BlockSnapshot, SegmentSnapshot};
 use crate::stats::MemoryStats;
 
 /// An arena's id, unique per allocator.
@@ -184,7 +184,7 @@ pub(crate) struct Arena {
 impl Arena {
     /// Validate `size` and round it to the slot granularity.
     fn slot_size(size: u64) -> AllocResult<u64> {
-        if size == 0 || size > crate::allocator::MAX_REQUEST {
+        if size == 0 || size > crate::block::MAX_REQUEST {
             return Err(AllocError::InvalidSize(size));
         }
         Ok(round(size))

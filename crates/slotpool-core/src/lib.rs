@@ -19,10 +19,10 @@
 //! ```
 #![forbid(unsafe_code)]
 
-pub mod alias;
 pub mod allocator;
 pub mod arena;
 pub mod block;
+pub use block::alias;
 mod block_slab;
 pub mod checkpoint;
 pub mod config;
@@ -42,12 +42,15 @@ pub mod policy;
 pub mod pool;
 pub mod route;
 pub mod shard;
+pub mod snapshot;
+mod sort;
 pub mod stats;
 pub mod sync;
 pub mod variants;
 
-pub use allocator::{Allocator, MAX_REQUEST, SharedPages};
+pub use allocator::{Allocator, SharedPages};
 pub use arena::{ArenaId, ArenaReport, Overlap};
+pub use block::MAX_REQUEST;
 pub use checkpoint::{Checkpoint, RestoreDelta, RestoreDiff};
 pub use config::{Config, ConfigError, GrowthMode};
 pub use counted::BackendCalls;
