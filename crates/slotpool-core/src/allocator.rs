@@ -22,6 +22,7 @@ use crate::history::TraceSink;
 use crate::pool::{PoolId, PoolOptions};
 use crate::route::{Route, RouteFilter, current_thread_id};
 use crate::shard::{Shard, ShardError};
+pub(crate) use crate::shard::{ShardCell, ShardRef};
 pub use crate::snapshot::{BlockSnapshot, SegmentSnapshot};
 use crate::stats::MemoryStats;
 use crate::sync::lock;
@@ -38,18 +39,6 @@ pub struct SharedPages {
 
 /// Requests above this size are also checked against the device's memory before they are served.
 const LARGE_REQUEST: u64 = 1 << 30;
-
-/// A shard and the budget of the pool it belongs to. Aligned to two cache lines (what x86's
-/// adjacent-line prefetch pulls in together), so that shards allocated one after another share
-/// no line.
-#[derive(Debug)]
-#[repr(align(128))]
-pub(crate) struct ShardCell {
-    pub shard: crate::sync::ShardMutex<Shard>,
-    pub pool_budget: Arc<Budget>,
-}
-
-pub(crate) type ShardRef = Arc<ShardCell>;
 
 /// One pool's registration.
 #[derive(Debug)]
@@ -381,7 +370,7 @@ impl<D: Device> Allocator<D> {
     /// Bring the segment registry up to date with a shard's changes (called under its lock).
     #[inline]
     fn register_segments(&self, cell: &ShardRef, s: &mut Shard) {
-        if !s.seg_log.is_empty() {
+        if s.segments_changed() {
             self.register_segments_now(cell, s);
         }
     }
@@ -389,7 +378,7 @@ impl<D: Device> Allocator<D> {
     #[cold]
     fn register_segments_now(&self, cell: &ShardRef, s: &mut Shard) {
         let mut reg = self.segments.write().unwrap_or_else(|e| e.into_inner());
-        for (addr, size, added) in s.seg_log.drain(..) {
+        for (addr, size, added) in s.take_segment_changes() {
             if added {
                 reg.insert(addr, (addr + size, Arc::downgrade(cell)));
             } else {
@@ -558,7 +547,7 @@ impl<D: Device> Allocator<D> {
     /// swallows that later free). Returns the block's size.
     pub fn mark_reusable(&self, ptr: DevicePtr) -> AllocResult<u64> {
         let r = self.with_owner(ptr, |cell, s| {
-            let pool = s.pool;
+            let pool = s.pool();
             if s.pause.is_some() {
                 // Its pages are not mapped: retention could not be recorded.
                 return Err((ShardError::Paused, pool));
@@ -711,15 +700,17 @@ impl<D: Device> Allocator<D> {
             // A new shard would have nothing to serve from.
             return Err(AllocError::PoolPaused(pool));
         }
-        let mut shard = Shard::new(
+        let shard = Shard::new(
             pool,
             stream,
             entry.options.no_split,
             &self.config.policy,
             self.shared.allocated.new_lease(),
+        )
+        .with_pool_state(
+            entry.checkpoints.iter().any(|c| c.strong_count() > 0),
+            entry.options.pausable,
         );
-        shard.quick_off = entry.checkpoints.iter().any(|c| c.strong_count() > 0);
-        shard.pausable = entry.options.pausable;
         let cell = Arc::new(ShardCell {
             shard: crate::sync::ShardMutex::new(shard),
             pool_budget: entry.budget.clone(),
@@ -764,9 +755,7 @@ impl<D: Device> Allocator<D> {
             if !s.is_empty() || s.has_live_mark() {
                 return true;
             }
-            s.settle_credit(&self.env(&cell.pool_budget));
-            self.shared.allocated.end_lease(&s.lease);
-            s.retired = true;
+            s.retire(&self.env(&cell.pool_budget));
             false
         });
         if shards.len() != before {
@@ -1287,7 +1276,7 @@ impl<D: Device> Allocator<D> {
         allocated += self.check_arenas()?;
         for (&(pool, stream), cell) in &shards {
             let s = lock(&cell.shard);
-            if s.retired {
+            if s.is_retired() {
                 return Err(format!(
                     "1: shard {pool}/{stream} is retired but in the table"
                 ));
@@ -1295,7 +1284,7 @@ impl<D: Device> Allocator<D> {
             s.check_invariants(ps)
                 .map_err(|e| format!("shard {pool}/{stream}: invariant {e}"))?;
             let reserved = s.stats.reserved_bytes.all().current as u64;
-            allocated += s.stats.allocated_bytes.all().current + s.peak_credit + s.lease.get();
+            allocated += s.counted_allocated();
             held += reserved;
             *per_pool.entry(pool).or_default() += reserved;
             let reg = self.segments.read().unwrap_or_else(|e| e.into_inner());
@@ -1477,7 +1466,7 @@ impl<D: Device> Allocator<D> {
                         })
                         .collect();
                     out.push(SegmentSnapshot {
-                        pool: s.pool,
+                        pool: s.pool(),
                         stream: s.stream,
                         addr: lo,
                         size: hi - lo,
@@ -1520,44 +1509,4 @@ pub(crate) fn shards_of(table: &ShardTable, pool: PoolId) -> Vec<ShardRef> {
         .filter(|((p, _), _)| *p == pool)
         .map(|(_, c)| c.clone())
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::shard::QUICK_MAX;
-
-    /// Shards made one after another by one thread (a warm-up pair per stream) must not share
-    /// cache lines: the cell is aligned to two lines, and the containers every pair writes start
-    /// large enough that their first heap blocks are not packed beside another shard's.
-    #[test]
-    fn shards_made_in_a_row_share_no_cache_line() {
-        let policy = crate::policy::SizePolicy::default();
-        let counter = crate::peak::PeakCounter::default();
-        let cells: Vec<ShardRef> = (0..4)
-            .map(|stream| {
-                Arc::new(ShardCell {
-                    shard: crate::sync::ShardMutex::new(Shard::new(
-                        PoolId::DEFAULT,
-                        stream,
-                        false,
-                        &policy,
-                        counter.new_lease(),
-                    )),
-                    pool_budget: Arc::new(Budget::new(u64::MAX)),
-                })
-            })
-            .collect();
-        for c in &cells {
-            assert_eq!(
-                Arc::as_ptr(c) as usize % 128,
-                0,
-                "cell not on its own lines"
-            );
-            let s = lock(&c.shard);
-            assert!(s.blocks.capacity() >= 32);
-            assert!(s.live.capacity() >= 32);
-            assert!(s.quick.capacity() >= QUICK_MAX);
-        }
-    }
 }
