@@ -289,6 +289,12 @@ impl Shard {
         !self.pending.is_empty() || !self.deferred.is_empty()
     }
 
+    /// Block ids the slab has minted (vacant ones included).
+    #[cfg(test)]
+    pub(crate) fn slab_ids(&self) -> usize {
+        self.blocks.capacity_ids()
+    }
+
     pub fn block(&self, id: BlockId) -> Option<&Block> {
         self.blocks.get(id)
     }

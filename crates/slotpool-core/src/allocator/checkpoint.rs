@@ -261,3 +261,6 @@ impl<D: Device> Allocator<D> {
             .ok_or_else(|| AllocError::InvalidState("no variant of this group is active".into()))
     }
 }
+
+#[cfg(test)]
+mod tests;
