@@ -2,13 +2,14 @@
 //! and the self-describing restore of the C ABI (`sp_pool_live_allocations`,
 //! `sp_checkpoint_restore`).
 
-use crate::allocator::Allocator;
 use crate::block::BlockState;
 use crate::checkpoint::{Checkpoint, RestoreDelta};
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::{AllocError, AllocResult};
 use crate::pool::PoolId;
 use crate::sync::lock;
+
+use super::Allocator;
 
 /// One live allocation of a pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
