@@ -8,14 +8,14 @@
 // built for and the Python package refuses to load it under any other.
 //
 // One concern per file (the class is declared here, its methods live where their concern does):
-//   allocator.cpp    errors, the allocation path (allocate, raw_*, free), caching, limits,
-//                    statistics, peers, installation
+//   allocator.cpp    errors, the allocation path (allocate, raw_*, free), out-of-memory errors
+//                    and their observers, caching, limits, statistics, peers, installation
 //   conf.cpp         PyTorch's allocator settings, sp_init, configuration values read back
 //   routes.cpp       beginAllocateToPool / endAllocateToPool, variant routes
 //   pools.cpp        pool lifetime and options, live allocations, checkPoolLiveAllocations
 //   orphans.cpp      stale owners after slotpool's own restores
 //   checkpoints.cpp  getCheckpointState / setCheckpointPoolState, restores, variant groups
-//   history.cpp      recordHistory, stacks, OOM observers, trace trackers
+//   history.cpp      recordHistory, stacks, trace trackers
 //   snapshot.cpp     snapshot() for memory_viz, getExpandableSegmentSizes
 //   ipc.cpp          CUDA IPC handles
 //   module.cpp       the Python bindings
@@ -44,7 +44,7 @@
 //    the shim reports them in both lists, as PyTorch's allocator does ("a pointer may appear in
 //    both"), so that CUDA graph trees' deleter bookkeeping works unchanged. The restore's own delta
 //    and the pool's live allocations after it (sp_pool_live_allocations) give both lists: no
-//    snapshot is taken, so a restore costs what changed plus one pass over the pool's live blocks.
+//    snapshot is taken, so a restore costs what changed plus one pass over the pool's blocks.
 //
 //  * Stale owners after slotpool's own restores (slotpool_torch.restore, variant groups). A restore
 //    frees allocations that tensors may still reference. Their pointers are remembered as
