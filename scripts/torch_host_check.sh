@@ -6,8 +6,9 @@
 #
 #   ./scripts/torch_host_check.sh                 compile, link and run the checks
 #   ./scripts/torch_host_check.sh --syntax-only   compile every torch_plugin/csrc/*.cpp (the Python
-#                                                 bindings too) and the checks, warnings as errors;
-#                                                 needs neither libslotpool.so nor Rust
+#                                                 bindings too), the checks and the GPU bench's
+#                                                 C++ (benches/gpu/ckpt_state_set.cpp), warnings
+#                                                 as errors; needs neither libslotpool.so nor Rust
 #
 # Where torch 2.11 is installed (the GPU machine), its headers and libraries are used, with the
 # CUDA toolkit's (CUDA_HOME, default /usr/local/cuda). Elsewhere the torch wheel and the CUDA
@@ -60,7 +61,7 @@ print(" ".join("torch_plugin/csrc/" + s for s in (l.ALLOCATOR_SOURCES if sys.arg
 }
 if [ "$SYNTAX_ONLY" = 1 ]; then
   # torch's, CUDA's and Python's headers as system headers: the warnings are the shim's own.
-  for f in $(sources all) torch_plugin/tests/host_check.cpp; do
+  for f in $(sources all) torch_plugin/tests/host_check.cpp benches/gpu/ckpt_state_set.cpp; do
     echo "syntax: $f"
     g++ -std=c++17 -fsyntax-only -Wall -Wextra -Werror -D_GLIBCXX_USE_CXX11_ABI=1 -I include \
       -I torch_plugin/csrc -isystem "$T" -isystem "$T/torch/csrc/api/include" -isystem "$CUDA_INC" \

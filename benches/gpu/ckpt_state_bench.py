@@ -20,6 +20,9 @@ One repeat, in a fresh MemPool (a private pool, as a graph's), for N live blocks
   6. checked: the pool's live allocations are exactly the N/2 survivors
      (torch._C._cuda_checkPoolLiveAllocations); a repeat that fails the check fails the run.
 The first repeat of each size warms up and is left out; the table shows medians of the others.
+Then the same repeats again with step 4 through benches/gpu/ckpt_state_set.cpp (built just in
+time): the allocator's setCheckpointPoolState alone, timed in C++ (alloc_us), without the
+binding's list conversion and pointer sets; the stale storages lose their deleters as there.
 
 Writes DIR/ckpt_state_bench.json (DIR: --out, else $OUT, else .) and prints one JSON line per
 allocator and size, then the table. Environment: SLOTPOOL_LIB (libslotpool.so or its folder),
@@ -43,7 +46,21 @@ TARGET_RATIO = 100  # slotpool's set_us at least this many times below PyTorch's
 # =================================================================================================
 # Child: one allocator, every size.
 
-def one_repeat(torch, n, device):
+def build_set_ext():
+    """benches/gpu/ckpt_state_set.cpp as a module (after CUDA is initialised: the build may query
+    the GPUs), or the reason it could not be built."""
+    from torch.utils.cpp_extension import load
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # no .cu sources: the arch is unused
+    try:
+        return load(name="ckpt_state_set", sources=[os.path.join(HERE, "ckpt_state_set.cpp")],
+                    extra_cflags=["-O2"], extra_ldflags=["-l:libstdc++.so.6"], with_cuda=True,
+                    verbose=False)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"[:1000]
+
+
+def one_repeat(torch, n, device, set_ext=None):
     first_sizes = [512 * (i % 13 + 1) for i in range(2 * n)]
     new_sizes = [512 * ((7 * i) % 11 + 1) + 256 for i in range(n // 2)]
     pool = torch.cuda.MemPool()
@@ -65,8 +82,12 @@ def one_repeat(torch, n, device):
     stale = [x.untyped_storage()._cdata for x in new]
     torch.cuda.synchronize()
 
+    alloc_us = None
     t = time.perf_counter()
-    torch._C._cuda_setCheckpointPoolState(device, state, stale, [])
+    if set_ext is None:
+        torch._C._cuda_setCheckpointPoolState(device, state, stale, [])
+    else:
+        alloc_us = set_ext.set_state_timed(device, state, stale)[0]
     t_set = time.perf_counter()
     for p in dead_ptrs:
         torch._C._cuda_cudaCachingAllocator_raw_delete(p)
@@ -78,7 +99,7 @@ def one_repeat(torch, n, device):
     torch.cuda.synchronize()
     del pool
     return {"get_us": get_us, "set_us": (t_set - t) * 1e6, "switch_us": (t_switch - t) * 1e6,
-            "live_check": bool(ok)}
+            "alloc_us": alloc_us, "live_check": bool(ok)}
 
 
 def child(alloc, sizes, repeats):
@@ -92,6 +113,10 @@ def child(alloc, sizes, repeats):
     torch.empty(1, device="cuda")
     device = torch.cuda.current_device()
     out = {"alloc": alloc, "backend": torch.cuda.get_allocator_backend(), "sizes": {}}
+    set_ext = build_set_ext()
+    if isinstance(set_ext, str):
+        out["alloc_us_error"] = set_ext
+        set_ext = None
     for n in sizes:
         runs = [one_repeat(torch, n, device) for _ in range(repeats + 1)][1:]
         keys = ("get_us", "set_us", "switch_us")
@@ -99,6 +124,11 @@ def child(alloc, sizes, repeats):
         res.update({k.replace("_us", "_min_us"): min(r[k] for r in runs) for k in keys})
         res["set_us_all"] = [round(r["set_us"], 1) for r in runs]
         res["live_check"] = all(r["live_check"] for r in runs)
+        if set_ext is not None:
+            alone = [one_repeat(torch, n, device, set_ext) for _ in range(repeats + 1)][1:]
+            res["alloc_us"] = statistics.median(r["alloc_us"] for r in alone)
+            res["alloc_min_us"] = min(r["alloc_us"] for r in alone)
+            res["live_check"] = res["live_check"] and all(r["live_check"] for r in alone)
         out["sizes"][str(n)] = res
         print(json.dumps({"alloc": alloc, "live_blocks": n, **res}), file=sys.stderr, flush=True)
     out["ok"] = all(r["live_check"] for r in out["sizes"].values())
@@ -156,14 +186,16 @@ def main(argv):
         "command": " ".join([os.path.relpath(__file__, REPO)] + argv),
         "repeats": args.repeats,
         "results": results,
-        "ratio": {},
+        "ratio": {},        # native / slotpool, set_us (the torch._C call)
+        "ratio_alone": {},  # native / slotpool, alloc_us (the allocator's call alone)
     }
     for n in sizes:
-        try:
-            report["ratio"][str(n)] = (results["native"]["sizes"][str(n)]["set_us"] /
-                                       results["slotpool"]["sizes"][str(n)]["set_us"])
-        except (KeyError, ZeroDivisionError):
-            pass
+        for key, field in (("ratio", "set_us"), ("ratio_alone", "alloc_us")):
+            try:
+                report[key][str(n)] = (results["native"]["sizes"][str(n)][field] /
+                                       results["slotpool"]["sizes"][str(n)][field])
+            except (KeyError, ZeroDivisionError):
+                pass
     big = str(max(sizes)) if sizes else None
     if big in report["ratio"] and int(big) >= 10000:
         report["target"] = {"live_blocks": int(big), "ratio_at_least": TARGET_RATIO,
@@ -176,12 +208,16 @@ def main(argv):
         for n, v in r.get("sizes", {}).items():
             print(json.dumps({"alloc": a, "live_blocks": int(n), "set_us": round(v["set_us"], 1),
                               "switch_us": round(v["switch_us"], 1), "get_us": round(v["get_us"], 1),
+                              "alloc_us": round(v["alloc_us"], 1) if "alloc_us" in v else None,
                               "live_check": v["live_check"]}))
+        if r.get("alloc_us_error"):
+            print(json.dumps({"alloc": a, "alloc_us_error": r["alloc_us_error"]}))
         if not r.get("ok"):
             print(json.dumps({"alloc": a, "ok": False, "error": r.get("error", "live check failed")}))
     print(f"\nsetCheckpointPoolState, half of the live blocks changed (median of {args.repeats}, us)")
     print(f"{'live blocks':>11}  {'native set':>11}  {'slotpool set':>12}  {'ratio':>7}  "
-          f"{'native switch':>13}  {'slotpool switch':>15}")
+          f"{'native switch':>13}  {'slotpool switch':>15}  {'native alone':>12}  "
+          f"{'slotpool alone':>14}")
     for n in sizes:
         def cell(a, k):
             v = results.get(a, {}).get("sizes", {}).get(str(n), {}).get(k)
@@ -189,7 +225,10 @@ def main(argv):
         ratio = report["ratio"].get(str(n))
         print(f"{n:>11}  {cell('native', 'set_us'):>11}  {cell('slotpool', 'set_us'):>12}  "
               f"{(f'{ratio:.0f}x' if ratio else '-'):>7}  {cell('native', 'switch_us'):>13}  "
-              f"{cell('slotpool', 'switch_us'):>15}")
+              f"{cell('slotpool', 'switch_us'):>15}  {cell('native', 'alloc_us'):>12}  "
+              f"{cell('slotpool', 'alloc_us'):>14}")
+    print("set: the torch._C call; switch: set + graph trees' raw_delete of the re-created blocks; "
+          "alone: the allocator's setCheckpointPoolState timed in C++")
     if "target" in report:
         t = report["target"]
         print(f"target: slotpool >= {t['ratio_at_least']}x faster at {t['live_blocks']} blocks: "
