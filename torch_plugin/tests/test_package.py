@@ -177,4 +177,3 @@ def test_the_package_version_is_the_librarys():
     pyproject = open(os.path.join(PLUGIN, "pyproject.toml")).read()
     assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == want
     assert slotpool_torch.__name__ == "slotpool_torch"
-
