@@ -112,7 +112,15 @@ std::shared_ptr<CheckpointState> SlotpoolAllocator::take_checkpoint(int device, 
     st = sp_checkpoint_take(device, pool, &cp);
   }
   check(st, "sp_checkpoint_take");
-  return std::make_shared<CheckpointState>(device, pool, cp);
+  auto state = std::make_shared<CheckpointState>(device, pool, cp, std::vector<void*>{});
+  // Owned from here on: a failure below frees the checkpoint with the state.
+  std::vector<sp_allocation> live = pool_live_allocations(device, pool);
+  state->live.reserve(live.size());
+  for (const sp_allocation& a : live) {
+    state->live.push_back(a.ptr);
+  }
+  std::sort(state->live.begin(), state->live.end());
+  return state;
 }
 
 std::shared_ptr<CCA::AllocatorState> SlotpoolAllocator::getCheckpointState(c10::DeviceIndex device,
@@ -135,38 +143,40 @@ CCA::CheckpointDelta SlotpoolAllocator::setCheckpointPoolState(
   check(sp_checkpoint_restore(state->cp, none, 0, &delta.p), "sp_checkpoint_restore");
   // PyTorch's contract: every allocation live before is "freed", every allocation of the
   // checkpoint is "allocated" (survivors, live in both, appear in both lists). Live before: what
-  // the restore freed, and the survivors; the checkpoint's: the pool's live allocations now,
-  // which are the survivors and what the restore re-created.
-  std::vector<void*> created;
-  for (const auto& c : delta_list(delta.p, false)) {
-    created.push_back(c.first);
+  // the restore freed, and the survivors, which are the checkpoint's allocations the restore did
+  // not re-create.
+  const sp_restore_delta* d = delta.p;
+  std::vector<void*> created(sp_delta_created_count(d));
+  for (size_t i = 0; i < created.size(); ++i) {
+    size_t size = 0;
+    check(sp_delta_created(d, i, &created[i], &size), "sp_delta_created");
   }
-  std::sort(created.begin(), created.end());
-  std::vector<sp_allocation> live_after = pool_live_allocations(device, state->pool);
-  auto by_address = [](const sp_allocation& x, const sp_allocation& y) { return x.ptr < y.ptr; };
-  if (!std::is_sorted(live_after.begin(), live_after.end(), by_address)) {
-    std::sort(live_after.begin(), live_after.end(), by_address);
+  if (!std::is_sorted(created.begin(), created.end())) {
+    std::sort(created.begin(), created.end());
   }
-  std::vector<PtrSize> freed = delta_list(delta.p, true);
+  const std::vector<void*>& live_after = state->live;
   CCA::CheckpointDelta out;
-  out.ptrs_freed.reserve(freed.size() + live_after.size());
-  for (const auto& f : freed) {
-    out.ptrs_freed.push_back(f.first);
+  size_t n_freed = sp_delta_freed_count(d);
+  out.ptrs_freed.reserve(n_freed + live_after.size());
+  out.ptrs_freed.resize(n_freed);
+  for (size_t i = 0; i < n_freed; ++i) {
+    size_t size = 0;
+    check(sp_delta_freed(d, i, &out.ptrs_freed[i], &size), "sp_delta_freed");
   }
-  // Survivors: live now and not re-created (both lists in address order).
+  // Both lists in address order.
   auto next_created = created.begin();
-  for (const sp_allocation& a : live_after) {
-    while (next_created != created.end() && *next_created < a.ptr) {
+  for (void* p : live_after) {
+    while (next_created != created.end() && *next_created < p) {
       ++next_created;
     }
-    if (next_created == created.end() || *next_created != a.ptr) {
-      out.ptrs_freed.push_back(a.ptr);
+    if (next_created == created.end() || *next_created != p) {
+      out.ptrs_freed.push_back(p);
     }
   }
   out.dataptrs_allocd.reserve(live_after.size());
   const c10::Device dev(c10::DeviceType::CUDA, device);
-  for (const sp_allocation& a : live_after) {
-    out.dataptrs_allocd.emplace_back(a.ptr, a.ptr, &slotpool_delete, dev);
+  for (void* p : live_after) {
+    out.dataptrs_allocd.emplace_back(p, p, &slotpool_delete, dev);
   }
   return out;
 }

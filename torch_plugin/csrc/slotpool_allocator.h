@@ -43,8 +43,10 @@
 //    DataPtrs with our deleter. slotpool itself leaves allocations that are live in both untouched;
 //    the shim reports them in both lists, as PyTorch's allocator does ("a pointer may appear in
 //    both"), so that CUDA graph trees' deleter bookkeeping works unchanged. The restore's own delta
-//    and the pool's live allocations after it (sp_pool_live_allocations) give both lists: no
-//    snapshot is taken, so a restore costs what changed plus one pass over the pool's blocks.
+//    and the checkpoint's live allocations give both lists; the latter are read once, when the
+//    checkpoint is taken (sp_pool_live_allocations), as they are what every restore of it returns
+//    the pool to. So a restore takes no snapshot and walks no pool: it costs what changed since
+//    the checkpoint, plus one pass over the checkpoint's live allocations to hand them back.
 //
 //  * Stale owners after slotpool's own restores (slotpool_torch.restore, variant groups). A restore
 //    frees allocations that tensors may still reference. Their pointers are remembered as
@@ -128,8 +130,8 @@ struct RestoreResult {
 
 // getCheckpointState's AllocatorState: owns one sp_checkpoint.
 struct CheckpointState : public CCA::AllocatorState {
-  CheckpointState(int device, sp_pool_id pool, sp_checkpoint* cp)
-      : device(device), pool(pool), cp(cp) {}
+  CheckpointState(int device, sp_pool_id pool, sp_checkpoint* cp, std::vector<void*> live)
+      : device(device), pool(pool), cp(cp), live(std::move(live)) {}
   ~CheckpointState() override;
   CheckpointState(const CheckpointState&) = delete;
   CheckpointState& operator=(const CheckpointState&) = delete;
@@ -137,6 +139,9 @@ struct CheckpointState : public CCA::AllocatorState {
   int device;
   sp_pool_id pool;
   sp_checkpoint* cp;
+  // The pool's live allocations when the checkpoint was taken, lowest address first: what a
+  // restore of it (with no keep set) leaves live, fixed for the checkpoint's life.
+  std::vector<void*> live;
 };
 
 // A variant group of slotpool (sp_variant_group_*), owned.

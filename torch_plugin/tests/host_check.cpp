@@ -240,6 +240,30 @@ void check_stats_routes_and_checkpoints(slotpool_torch::SlotpoolAllocator& a) {
            "a checkpoint restores only its own pool: " + msg);
     expect(a.checkPoolLiveAllocations(1, half, {in_cp.begin(), in_cp.end()}),
            "the refused restore changed nothing");
+    for (auto& d : delta.dataptrs_allocd) {
+      d.release_context();  // the four are this test's to free again
+    }
+  }
+  // The same checkpoint again, after other changes (graph trees return to a node many times).
+  a.free_ptr(in_cp[1], true);
+  a.beginAllocateToPool(1, half, FakeCUDAGraphFilter{s1});
+  void* new3 = a.malloc_impl(1, 5 << 20, s1);
+  a.endAllocateToPool(1, half);
+  {
+    auto delta = a.setCheckpointPoolState(1, cp_half);
+    std::vector<void*> freed = delta.ptrs_freed;
+    std::vector<void*> allocd;
+    for (const auto& d : delta.dataptrs_allocd) {
+      allocd.push_back(d.get());
+    }
+    std::sort(freed.begin(), freed.end());
+    std::sort(allocd.begin(), allocd.end());
+    std::vector<void*> want_freed{new3, in_cp[0], in_cp[2], in_cp[3]};
+    std::vector<void*> want_allocd = in_cp;
+    std::sort(want_freed.begin(), want_freed.end());
+    std::sort(want_allocd.begin(), want_allocd.end());
+    expect(freed == want_freed, "a second restore: ptrs_freed = what is live before it");
+    expect(allocd == want_allocd, "a second restore: dataptrs_allocd = the checkpoint's again");
   }  // the DataPtrs free all four
   expect(a.checkPoolLiveAllocations(1, half, {}), "half changed: the DataPtrs freed the pool");
   cp_half.reset();
