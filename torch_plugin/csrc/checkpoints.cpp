@@ -13,29 +13,7 @@
 
 namespace slotpool_torch {
 
-namespace detail {
-
-std::vector<PtrSize> delta_list(const sp_restore_delta* d, bool freed) {
-  std::vector<PtrSize> out;
-  if (d == nullptr) {
-    return out;
-  }
-  size_t n = freed ? sp_delta_freed_count(d) : sp_delta_created_count(d);
-  out.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    void* p = nullptr;
-    size_t size = 0;
-    sp_status st = freed ? sp_delta_freed(d, i, &p, &size) : sp_delta_created(d, i, &p, &size);
-    check(st, freed ? "sp_delta_freed" : "sp_delta_created");
-    out.emplace_back(p, size);
-  }
-  return out;
-}
-
-}  // namespace detail
-
 using detail::DeltaGuard;
-using detail::delta_list;
 
 namespace {
 

@@ -1,5 +1,5 @@
 // Pieces the shim's files share that are no part of its interface (slotpool_allocator.h): owners
-// of slotpool's handles, a restore delta's lists, and trace actions by PyTorch's names.
+// of slotpool's handles, and trace actions by PyTorch's names.
 #pragma once
 
 #include <cstdint>
@@ -28,9 +28,6 @@ struct Owned {
 
 using DeltaGuard = Owned<sp_restore_delta, &sp_delta_free>;
 using SnapshotGuard = Owned<sp_snapshot, &sp_snapshot_free>;
-
-// A restore delta's freed (freed = true) or re-created allocations, in the delta's order.
-std::vector<PtrSize> delta_list(const sp_restore_delta* d, bool freed);
 
 // slotpool's trace action (sp_trace_action) as PyTorch's, with PyTorch's name for it ("alloc",
 // "free_requested", ...: recordHistory's skip_actions spell them so); false for a value this
