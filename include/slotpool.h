@@ -473,6 +473,13 @@ size_t sp_delta_created_count(const sp_restore_delta* d);
 sp_status sp_delta_freed(const sp_restore_delta* d, size_t i, void** ptr, size_t* size);
 /** Entry i of the re-created allocations. Errors: as sp_delta_freed. */
 sp_status sp_delta_created(const sp_restore_delta* d, size_t i, void** ptr, size_t* size);
+/** Writes the first min(cap, total) entries of d's freed list (created 0) or re-created list
+ *  (created non-zero): pointers to ptrs (may be NULL when cap is 0), sizes to sizes (may be
+ *  NULL), the list's length to *total; SP_OK also when *total > cap. The bulk form of
+ *  sp_delta_freed / sp_delta_created. Errors: SP_ERR_INVALID_ARGUMENT (handle, total NULL, ptrs
+ *  NULL with cap > 0). */
+sp_status sp_delta_entries(const sp_restore_delta* d, int created, void** ptrs, size_t* sizes,
+                           size_t cap, size_t* total);
 /** Frees a delta (NULL: SP_OK). */
 sp_status sp_delta_free(sp_restore_delta* d);
 

@@ -27,6 +27,18 @@ bool current_stream_capturing() {
   return status != cudaStreamCaptureStatusNone;
 }
 
+// A restore delta's freed (created false) or re-created pointers, read in one call, with room
+// reserved for `extra` more.
+std::vector<void*> delta_ptrs(const sp_restore_delta* d, bool created, size_t extra = 0) {
+  size_t n = 0;
+  check(sp_delta_entries(d, created ? 1 : 0, nullptr, nullptr, 0, &n), "sp_delta_entries");
+  std::vector<void*> out;
+  out.reserve(n + extra);
+  out.resize(n);
+  check(sp_delta_entries(d, created ? 1 : 0, out.data(), nullptr, n, &n), "sp_delta_entries");
+  return out;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -124,23 +136,13 @@ CCA::CheckpointDelta SlotpoolAllocator::setCheckpointPoolState(
   // the restore freed, and the survivors, which are the checkpoint's allocations the restore did
   // not re-create.
   const sp_restore_delta* d = delta.p;
-  std::vector<void*> created(sp_delta_created_count(d));
-  for (size_t i = 0; i < created.size(); ++i) {
-    size_t size = 0;
-    check(sp_delta_created(d, i, &created[i], &size), "sp_delta_created");
-  }
+  std::vector<void*> created = delta_ptrs(d, /*created=*/true);
   if (!std::is_sorted(created.begin(), created.end())) {
     std::sort(created.begin(), created.end());
   }
   const std::vector<void*>& live_after = state->live;
   CCA::CheckpointDelta out;
-  size_t n_freed = sp_delta_freed_count(d);
-  out.ptrs_freed.reserve(n_freed + live_after.size());
-  out.ptrs_freed.resize(n_freed);
-  for (size_t i = 0; i < n_freed; ++i) {
-    size_t size = 0;
-    check(sp_delta_freed(d, i, &out.ptrs_freed[i], &size), "sp_delta_freed");
-  }
+  out.ptrs_freed = delta_ptrs(d, /*created=*/false, live_after.size());
   // Both lists in address order.
   auto next_created = created.begin();
   for (void* p : live_after) {

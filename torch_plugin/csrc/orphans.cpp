@@ -14,14 +14,15 @@ std::vector<PtrSize> delta_list(const sp_restore_delta* d, bool freed) {
   if (d == nullptr) {
     return out;
   }
-  size_t n = freed ? sp_delta_freed_count(d) : sp_delta_created_count(d);
+  int created = freed ? 0 : 1;
+  size_t n = 0;
+  check(sp_delta_entries(d, created, nullptr, nullptr, 0, &n), "sp_delta_entries");
+  std::vector<void*> ptrs(n);
+  std::vector<size_t> sizes(n);
+  check(sp_delta_entries(d, created, ptrs.data(), sizes.data(), n, &n), "sp_delta_entries");
   out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    void* p = nullptr;
-    size_t size = 0;
-    sp_status st = freed ? sp_delta_freed(d, i, &p, &size) : sp_delta_created(d, i, &p, &size);
-    check(st, freed ? "sp_delta_freed" : "sp_delta_created");
-    out.emplace_back(p, size);
+    out.emplace_back(ptrs[i], sizes[i]);
   }
   return out;
 }

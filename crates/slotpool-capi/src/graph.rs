@@ -281,6 +281,50 @@ pub unsafe extern "C" fn sp_delta_created(
     ffi(|| unsafe { delta_entry(d, i, false, ptr, size) })
 }
 
+/// Writes the first `min(cap, total)` entries of a delta's freed list (`created` 0) or
+/// re-created list (`created` non-zero): pointers to `ptrs`, sizes to `sizes` (may be NULL), and
+/// the list's length to `*total` (`SP_OK` also when it is above `cap`). One call for what
+/// `sp_delta_freed` / `sp_delta_created` read an entry at a time: a restore's caller reads
+/// thousands of entries.
+///
+/// # Safety
+///
+/// `ptrs` must be NULL with `cap` 0, else valid for `cap` writes; `sizes` NULL or valid for `cap`
+/// writes; `total` NULL (an error) or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_delta_entries(
+    d: *const sp_restore_delta,
+    created: c_int,
+    ptrs: *mut *mut c_void,
+    sizes: *mut usize,
+    cap: usize,
+    total: *mut usize,
+) -> sp_status {
+    ffi(|| {
+        let d = delta(d)?;
+        let total = required(total, "total")?;
+        if cap > 0 && ptrs.is_null() {
+            return Err(Error::InvalidArgument(format!(
+                "ptrs is NULL with cap {cap}"
+            )));
+        }
+        let list = if created != 0 { &d.created } else { &d.freed };
+        for (i, &(p, s)) in list.iter().take(cap).enumerate() {
+            // SAFETY: `ptrs` is non-null and valid for `cap` > `i` writes, `sizes` NULL or the
+            // same, by the caller's contract.
+            unsafe {
+                ptrs.add(i).write(p as *mut c_void);
+                if !sizes.is_null() {
+                    sizes.add(i).write(s as usize);
+                }
+            }
+        }
+        // SAFETY: non-null and valid for a write by the caller's contract.
+        unsafe { put(total, list.len()) };
+        Ok(())
+    })
+}
+
 /// Frees a delta (NULL is accepted).
 ///
 /// # Safety
