@@ -72,7 +72,18 @@ fn child() {
     let Ok(conf) = std::env::var(CONF) else {
         return;
     };
-    let conf = format!("sim_devices:2,sim_memory_mb:1024,sim_bytes:1,{conf}");
+    let vmm_page = conf.contains("growth:vmm").then(|| {
+        let mb: usize = conf
+            .split("vmm_page_mb:")
+            .nth(1)
+            .and_then(|v| v.split(',').next()?.parse().ok())
+            .expect("vmm_page_mb in the configuration");
+        mb << 20
+    });
+    let conf = format!(
+        "sim_devices:2,sim_memory_mb:{},sim_bytes:1,{conf}",
+        model::CAPACITY >> 20
+    );
     let c = std::ffi::CString::new(conf).unwrap();
     // SAFETY: NUL-terminated strings.
     common::ok(unsafe { sp_init(c"sim".as_ptr(), c.as_ptr()) });
@@ -87,8 +98,9 @@ fn child() {
     });
     let case = AtomicU64::new(0);
     let (steps, refused) = (AtomicU64::new(0), AtomicU64::new(0));
+    let (ooms, certain, pressed) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
     let result = runner.run(&prop::collection::vec(ops::op(), 1..120), |seq| {
-        let mut m = model::Model::new(case.fetch_add(1, Ordering::Relaxed));
+        let mut m = model::Model::new(case.fetch_add(1, Ordering::Relaxed), vmm_page);
         let run = catch_unwind(AssertUnwindSafe(|| {
             for op in &seq {
                 m.step(op);
@@ -101,6 +113,9 @@ fn child() {
         }
         steps.fetch_add(seq.len() as u64, Ordering::Relaxed);
         refused.fetch_add(m.refused, Ordering::Relaxed);
+        ooms.fetch_add(m.ooms, Ordering::Relaxed);
+        certain.fetch_add(m.certain, Ordering::Relaxed);
+        pressed.fetch_add(m.after_pressure, Ordering::Relaxed);
         m.finish();
         Ok(())
     });
@@ -108,9 +123,13 @@ fn child() {
         panic!("{e}");
     }
     println!(
-        "sequences: {} cases, {} steps, {} refused calls checked",
+        "sequences: {} cases, {} steps, {} refused calls checked, {} out of memory, {} \
+         allocations known to fit, {} restores after out of memory",
         case.load(Ordering::Relaxed),
         steps.load(Ordering::Relaxed),
-        refused.load(Ordering::Relaxed)
+        refused.load(Ordering::Relaxed),
+        ooms.load(Ordering::Relaxed),
+        certain.load(Ordering::Relaxed),
+        pressed.load(Ordering::Relaxed)
     );
 }

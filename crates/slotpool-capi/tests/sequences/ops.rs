@@ -12,28 +12,90 @@ pub const STREAMS: [u64; 4] = [0, 7, 9, 11];
 /// One valid call (valid when the step runs, or skipped) or one bad call.
 #[derive(Clone, Debug)]
 pub enum Op {
-    Alloc { dev: u8, size: usize, stream: u8 },
-    PoolAlloc { pool: u8, size: usize, stream: u8 },
-    Free { pick: u16 },
-    EmptyCache { all: bool },
-    PoolEmptyCache { pool: u8 },
-    Take { pool: u8 },
-    Restore { cp: u8, keep: u32 },
-    CheckpointFree { cp: u8 },
-    DeltaFree { pick: u8 },
-    GroupCreate { pool: u8, count: u8 },
-    Begin { g: u8, k: u8 },
-    End { g: u8 },
-    GroupFree { g: u8 },
+    Alloc {
+        dev: u8,
+        size: usize,
+        stream: u8,
+    },
+    PoolAlloc {
+        pool: u8,
+        size: usize,
+        stream: u8,
+    },
+    Free {
+        pick: u16,
+    },
+    EmptyCache {
+        all: bool,
+    },
+    PoolEmptyCache {
+        pool: u8,
+    },
+    Take {
+        pool: u8,
+    },
+    Restore {
+        cp: u8,
+        keep: u32,
+    },
+    CheckpointFree {
+        cp: u8,
+    },
+    DeltaFree {
+        pick: u8,
+    },
+    GroupCreate {
+        pool: u8,
+        count: u8,
+    },
+    Begin {
+        g: u8,
+        k: u8,
+    },
+    End {
+        g: u8,
+    },
+    GroupFree {
+        g: u8,
+    },
     ArenaCreate,
-    ArenaAlloc { a: u8, slot: u8, size: usize },
-    ArenaFree { a: u8, slot: u8 },
-    ArenaDestroy { a: u8 },
-    Route { pool: u8, stream: u8, all: bool },
-    Unroute { pool: u8 },
-    Incref { pool: u8 },
-    Release { pool: u8 },
+    ArenaAlloc {
+        a: u8,
+        slot: u8,
+        size: usize,
+    },
+    ArenaFree {
+        a: u8,
+        slot: u8,
+    },
+    ArenaDestroy {
+        a: u8,
+    },
+    Route {
+        pool: u8,
+        stream: u8,
+        all: bool,
+    },
+    Unroute {
+        pool: u8,
+    },
+    Incref {
+        pool: u8,
+    },
+    Release {
+        pool: u8,
+    },
     ResetPeaks,
+    /// Device `dev`'s memory limit set `headroom` bytes above what it reserves (`None`: lifted).
+    Limit {
+        dev: u8,
+        headroom: Option<u32>,
+    },
+    /// A pool's limit set `headroom` bytes above what it reserves (`None`: lifted).
+    PoolLimit {
+        pool: u8,
+        headroom: Option<u32>,
+    },
     Bad(Bad),
 }
 
@@ -145,9 +207,19 @@ pub enum Bad {
 
 fn size() -> impl Strategy<Value = usize> {
     prop_oneof![
-        5 => 1usize..4096,
-        4 => 4096usize..262_144,
-        1 => (1usize << 20)..(6 << 20),
+        10 => 1usize..4096,
+        8 => 4096usize..262_144,
+        2 => (1usize << 20)..(6 << 20),
+        // Large: a few of them reach the device's memory (model::CAPACITY).
+        2 => (24usize << 20)..(160 << 20),
+    ]
+}
+
+/// Headroom of a limit: tight, within a few pages, or lifted.
+fn headroom() -> impl Strategy<Value = Option<u32>> {
+    prop_oneof![
+        3 => (0u32..(24 << 20)).prop_map(Some),
+        1 => Just(None),
     ]
 }
 
@@ -221,6 +293,9 @@ pub fn op() -> impl Strategy<Value = Op> {
         1 => pool.clone().prop_map(|pool| Op::Incref { pool }),
         1 => pool.prop_map(|pool| Op::Release { pool }),
         1 => Just(Op::ResetPeaks),
+        2 => (0u8..2, headroom()).prop_map(|(dev, headroom)| Op::Limit { dev, headroom }),
+        2 => (0u8..POOLS as u8, headroom())
+            .prop_map(|(pool, headroom)| Op::PoolLimit { pool, headroom }),
         12 => bad().prop_map(Op::Bad),
     ]
 }

@@ -6,7 +6,7 @@ use std::ptr::null_mut;
 
 use slotpool::*;
 
-use super::{DEVICES, Live, Model, pool_id, verify};
+use super::{DEVICES, Live, Model, WINDOWED, pool_id, verify};
 use crate::common::*;
 
 /// (count, requested bytes, rounded bytes) of `live`.
@@ -48,7 +48,7 @@ fn same_totals(s: &sp_memory_stats, want: (i64, i64, i64), what: &str) {
 impl Model {
     /// (count, requested bytes, rounded bytes) of the live arena slots (branch 0 only, so each
     /// live slot is one allocation of its requested size, rounded to 512 bytes).
-    fn arena_totals(&self) -> (i64, i64, i64) {
+    pub(super) fn arena_totals(&self) -> (i64, i64, i64) {
         self.arenas.iter().flat_map(|a| a.slots.values()).fold(
             (0, 0, 0),
             |(n, r, a), &(_, size, _)| {
@@ -89,8 +89,16 @@ impl Model {
             let s = unsafe { sp_pool_verify_live(0, p, list.as_ptr(), list.len()) };
             assert_eq!(s, sp_status::SP_OK, "pool {i}: {}", last_error());
         }
+        self.check_limits();
         for l in &self.live {
-            verify(l.dev, l.ptr, l.requested, l.seed, all, "allocation");
+            verify(
+                l.dev,
+                l.ptr,
+                l.requested,
+                l.seed,
+                all && !l.windowed(),
+                "allocation",
+            );
         }
         for a in &self.arenas {
             for (&slot, &(p, size, seed)) in &a.slots {
@@ -99,7 +107,7 @@ impl Model {
                     p,
                     size,
                     seed,
-                    all,
+                    all && size < WINDOWED,
                     &format!("arena {} slot {slot}", a.id),
                 );
             }
@@ -109,6 +117,7 @@ impl Model {
     /// Frees everything the sequence made, checking each step, and that nothing is left.
     pub fn finish(mut self) {
         self.check(true);
+        self.lift_limits();
         for (pool, _) in std::mem::take(&mut self.routes) {
             ok(sp_end_allocate_to_pool(0, self.pools[pool]));
         }
@@ -152,6 +161,13 @@ impl Model {
     /// runs next (shrinking the failure) start from a device without this one's routes and
     /// allocations.
     pub fn abandon(&mut self) {
+        for dev in 0..DEVICES {
+            sp_set_memory_limit(dev, 0);
+        }
+        for &p in &self.pools {
+            // SAFETY: a valid options struct.
+            unsafe { sp_pool_set_options(0, p, &sp_pool_options::default()) };
+        }
         for (pool, _) in std::mem::take(&mut self.routes) {
             sp_end_allocate_to_pool(0, self.pools[pool]);
         }
