@@ -188,18 +188,7 @@ impl Model {
                     self.held(),
                     "{what}: out of memory changed the state"
                 );
-                if [
-                    "sp_checkpoint_restore",
-                    "sp_variant_begin",
-                    "sp_arena_alloc",
-                ]
-                .contains(&what)
-                {
-                    // These refusals carry a report without figures.
-                    assert!(msg.contains("out of memory"), "{what}: {msg}");
-                } else {
-                    self.check_oom_message(dev, &msg, what);
-                }
+                self.check_oom_message(dev, &msg, what);
                 self.ooms += 1;
                 false
             }
@@ -223,13 +212,7 @@ impl Model {
         assert!(reserved <= limit + PRINTED, "{what}: over the limit: {msg}");
         let s = stats(dev);
         let dev_reserved = s.reserved_bytes.all.current as f64 / GIB;
-        // The report's allocated bytes are the pools' blocks; live arena slots are not in them.
-        let arenas = if dev == 0 {
-            self.arena_totals().2 as usize
-        } else {
-            0
-        };
-        let dev_allocated = (self.allocated(dev) - arenas) as f64 / GIB;
+        let dev_allocated = self.allocated(dev) as f64 / GIB;
         // The report counts the device's page pool (pages no pool holds) as reserved; the
         // statistics' current reserved bytes are the pools' only.
         assert!(
