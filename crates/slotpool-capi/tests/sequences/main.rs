@@ -5,7 +5,10 @@
 //! (`model.rs`): `sp_check_invariants`, device and pool statistics, live sets, use counts and the
 //! bytes of every live allocation (the sim keeps bytes: `sim_bytes:1`); every bad call must
 //! return its documented code with a message and leave the statistics and the snapshot exactly as
-//! they were.
+//! they were. Under memory pressure (device and pool limits set just above what is held,
+//! allocations up to the device's memory; `model/pressure.rs`) a call may also run out of memory:
+//! the model checks what it can know (nothing changed, the report adds up, the limits hold) and
+//! restores checkpoints and variant groups taken before the pressure.
 //!
 //! Each growth mode runs in a child process of this binary (the library is initialised once per
 //! process). A short run by default; `PROPTEST_CASES` sets the number of sequences
