@@ -39,7 +39,7 @@ fn checkpoint_restore_round_trip_and_delta() {
     let b = alloc_in(p, 5 * MIB);
     let mut delta = null_mut();
     // SAFETY: live handle, empty keep list, valid out-pointer.
-    ok(unsafe { sp_checkpoint_restore(SHARED, p, cp, null(), 0, &mut delta) });
+    ok(unsafe { sp_checkpoint_restore(cp, null(), 0, &mut delta) });
     assert_eq!(sp_delta_freed_count(delta), 1);
     assert_eq!(sp_delta_created_count(delta), 1);
     let (mut ptr, mut size) = (null_mut(), 0usize);
@@ -86,36 +86,42 @@ fn checkpoint_restore_round_trip_and_delta() {
     let keep = [c];
     // SAFETY: one readable pointer; NULL delta is allowed.
     expect(
-        unsafe { sp_checkpoint_restore(SHARED, p, cp, keep.as_ptr(), 1, null_mut()) },
+        unsafe { sp_checkpoint_restore(cp, keep.as_ptr(), 1, null_mut()) },
         sp_status::SP_ERR_INVALID_STATE,
     );
     assert!(last_error().contains("must stay live"), "{}", last_error());
     ok(sp_free(c));
-    // Another pool, another device: refused.
-    // SAFETY: live handle.
-    expect(
-        unsafe { sp_checkpoint_restore(SHARED, pool(9002), cp, null(), 0, null_mut()) },
-        sp_status::SP_ERR_INVALID_ARGUMENT,
-    );
-    // SAFETY: live handle.
-    expect(
-        unsafe { sp_checkpoint_restore(SECOND, p, cp, null(), 0, null_mut()) },
-        sp_status::SP_ERR_INVALID_ARGUMENT,
-    );
+    // The checkpoint names its device and pool; each out-pointer may be NULL.
+    let (mut dev, mut id) = (-7, pool(1));
+    // SAFETY: live handle, valid out-pointers.
+    ok(unsafe { sp_checkpoint_info(cp, &mut dev, &mut id) });
+    assert_eq!((dev, id), (SHARED, p));
+    // SAFETY: live handle, NULL out-pointers.
+    ok(unsafe { sp_checkpoint_info(cp, null_mut(), null_mut()) });
+    let fake = 0x1234usize as *const sp_checkpoint;
+    let (mut dev, mut id) = (-7, pool(1));
+    for bad in [null(), fake] {
+        // SAFETY: handles the registry refuses, valid out-pointers.
+        expect(
+            unsafe { sp_checkpoint_info(bad, &mut dev, &mut id) },
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        assert_eq!((dev, id), (-7, pool(1)), "nothing written");
+    }
     // SAFETY: NULL handle.
     expect(
-        unsafe { sp_checkpoint_restore(SHARED, p, null(), null(), 0, null_mut()) },
+        unsafe { sp_checkpoint_restore(null(), null(), 0, null_mut()) },
         sp_status::SP_ERR_INVALID_ARGUMENT,
     );
     let fake = 0x1234usize as *const sp_checkpoint;
     expect(
         // SAFETY: a pointer that is not a handle is refused by the registry, never read.
-        unsafe { sp_checkpoint_restore(SHARED, p, fake, null(), 0, null_mut()) },
+        unsafe { sp_checkpoint_restore(fake, null(), 0, null_mut()) },
         sp_status::SP_ERR_INVALID_ARGUMENT,
     );
     // SAFETY: non-zero count with a NULL list.
     expect(
-        unsafe { sp_checkpoint_restore(SHARED, p, cp, null(), 3, null_mut()) },
+        unsafe { sp_checkpoint_restore(cp, null(), 3, null_mut()) },
         sp_status::SP_ERR_INVALID_ARGUMENT,
     );
     // SAFETY: live handle, then freed twice.

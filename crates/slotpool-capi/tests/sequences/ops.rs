@@ -96,6 +96,14 @@ pub enum Op {
         pool: u8,
         headroom: Option<u32>,
     },
+    /// `sp_snapshot_take`, with the recorded history or not.
+    SnapshotTake {
+        traces: bool,
+    },
+    /// `sp_snapshot_free` of a live snapshot handle.
+    SnapshotFree {
+        pick: u8,
+    },
     Bad(Bad),
 }
 
@@ -146,11 +154,16 @@ pub enum Bad {
         cp: u8,
         pick: u16,
     },
-    RestoreWrongPool {
-        cp: u8,
+    /// A snapshot reader with an index out of range or a NULL out-pointer.
+    SnapshotOutOfRange {
+        pick: u8,
+        what: u8,
     },
-    RestoreWrongDevice {
-        cp: u8,
+    /// `sp_pool_live_allocations` / `sp_pool_options_get` with a NULL out-pointer or an
+    /// unknown pool.
+    PoolReaderRefused {
+        pool: u8,
+        what: u8,
     },
     /// `sp_pool_verify_live` with one live allocation left out.
     VerifyWrong {
@@ -229,7 +242,7 @@ fn bad() -> impl Strategy<Value = Bad> {
         any::<u16>().prop_map(|pick| Bad::FreeInterior { pick }),
         Just(Bad::FreeNull),
         any::<u64>().prop_map(|addr| Bad::FreeRandom { addr }),
-        (0u8..3, any::<u8>(), any::<u8>()).prop_map(|(kind, pick, call)| Bad::WrongKind {
+        (0u8..4, any::<u8>(), any::<u8>()).prop_map(|(kind, pick, call)| Bad::WrongKind {
             kind,
             pick,
             call
@@ -239,8 +252,8 @@ fn bad() -> impl Strategy<Value = Bad> {
         (any::<u8>(), 24u8..64).prop_map(|(cp, log)| Bad::HugeKeep { cp, log }),
         (any::<u8>(), 24u8..64).prop_map(|(pool, log)| Bad::HugeVerify { pool, log }),
         (any::<u8>(), any::<u16>()).prop_map(|(cp, pick)| Bad::KeepNotInCheckpoint { cp, pick }),
-        any::<u8>().prop_map(|cp| Bad::RestoreWrongPool { cp }),
-        any::<u8>().prop_map(|cp| Bad::RestoreWrongDevice { cp }),
+        (any::<u8>(), any::<u8>()).prop_map(|(pick, what)| Bad::SnapshotOutOfRange { pick, what }),
+        (any::<u8>(), any::<u8>()).prop_map(|(pool, what)| Bad::PoolReaderRefused { pool, what }),
         any::<u8>().prop_map(|pool| Bad::VerifyWrong { pool }),
         any::<bool>().prop_map(|zero| Bad::AllocSize { zero }),
         prop_oneof![Just(-2i32), Just(2), Just(64), Just(i32::MIN)]
@@ -296,6 +309,8 @@ pub fn op() -> impl Strategy<Value = Op> {
         2 => (0u8..2, headroom()).prop_map(|(dev, headroom)| Op::Limit { dev, headroom }),
         2 => (0u8..POOLS as u8, headroom())
             .prop_map(|(pool, headroom)| Op::PoolLimit { pool, headroom }),
+        1 => any::<bool>().prop_map(|traces| Op::SnapshotTake { traces }),
+        1 => any::<u8>().prop_map(|pick| Op::SnapshotFree { pick }),
         12 => bad().prop_map(Op::Bad),
     ]
 }

@@ -308,6 +308,7 @@ impl Model {
         dev: i32,
         pool: Option<usize>,
         size: usize,
+        stream: u64,
         what: &str,
         call: impl FnOnce(*mut *mut std::ffi::c_void) -> sp_status,
     ) {
@@ -316,7 +317,7 @@ impl Model {
         let mut p = null_mut();
         let status = call(&mut p);
         if self.answered(status, before, must, dev, what) {
-            self.track(p, dev, pool, size);
+            self.track(p, dev, pool, size, stream);
         } else {
             assert!(p.is_null(), "{what}: out of memory left a pointer");
         }
