@@ -16,6 +16,10 @@ mod reclaim;
 mod registry;
 mod report;
 mod shards;
+#[cfg(test)]
+mod test_device;
+#[cfg(test)]
+mod tests;
 mod thread_cache;
 
 use thread_cache::{with_cached_shard, with_cached_shard_of};
