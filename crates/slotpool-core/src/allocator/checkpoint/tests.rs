@@ -2,7 +2,6 @@
 //! sets, block statistics.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::allocator::test_device::Dev;
