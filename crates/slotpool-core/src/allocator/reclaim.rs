@@ -6,7 +6,6 @@ use crate::pool::PoolId;
 use crate::shard::ShardError;
 pub(crate) use crate::shard::ShardRef;
 use crate::sync::lock;
-use std::sync::MutexGuard;
 use std::sync::atomic::Ordering;
 
 use super::{Allocator, shard_error};
@@ -184,7 +183,7 @@ impl<D: Device> Allocator<D> {
 
     /// Forget freeable pools that hold nothing any more (no shard, no live arena) and that no
     /// live checkpoint needs.
-    fn forget_freeable_pools(&self, reclaim: &MutexGuard<'_, ()>) {
+    fn forget_freeable_pools(&self, reclaim: &crate::sync::MutexGuard<'_, ()>) {
         self.drop_empty_shards(reclaim, None);
         let arena_pools = self.arena_pools();
         let mut pools = lock(&self.pools);
