@@ -631,6 +631,12 @@ impl<D: Device> Allocator<D> {
                 ))));
             };
             let (first, end) = Shard::page_range(page_size, seg.addr, b.addr, b.size);
+            if pt.any_in_run(first, end) {
+                return Some(Err(AllocError::InvalidArgument(format!(
+                    "{ptr:#x} lies in a physical run (a resumed pool's memory), which is not \
+                     shared page by page"
+                ))));
+            }
             let pages: Option<Vec<PageHandle>> =
                 pt.handle.get(first..end)?.iter().copied().collect();
             Some(Ok(SharedPages {
@@ -1128,6 +1134,13 @@ impl<D: Device> Allocator<D> {
                 break;
             }
         }
+        for (run, bytes) in self.shared.pages.drain_runs() {
+            if self.counted.release_page(run).is_ok() {
+                self.shared.budget.release(bytes);
+            } else {
+                self.shared.pages.put_run(run, bytes);
+            }
+        }
     }
 
     /// Forget freeable pools that hold nothing any more (no shard, no live arena) and that no
@@ -1278,7 +1291,7 @@ impl<D: Device> Allocator<D> {
         let ps = self.shared.page_size;
         let shards = self.all_shards();
         let mut ranges = Vec::new();
-        let mut held = self.shared.pages.len() as u64 * ps;
+        let mut held = self.shared.pages.len() as u64 * ps + self.shared.pages.run_bytes();
         let mut per_pool: FxHashMap<PoolId, u64> = FxHashMap::default();
         let mut allocated = 0i64;
         for (pool, bytes) in self.arena_bytes() {
@@ -1508,6 +1521,9 @@ pub(crate) fn shard_error(e: ShardError) -> AllocError {
             AllocError::InvalidState("a page slot must be unmapped during a capture".into())
         }
         ShardError::Paused => AllocError::InvalidState("the pool is paused".into()),
+        ShardError::InRun => {
+            AllocError::InvalidState("a page of a physical run is unmapped only whole".into())
+        }
     }
 }
 

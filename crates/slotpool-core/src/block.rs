@@ -193,6 +193,8 @@ pub struct PageTable {
     /// Which slots each physical page is mapped at ([`crate::alias`]; boxed: a segment's kind
     /// stays small).
     pub alias: Box<crate::alias::Aliases>,
+    /// Which slots one physical allocation backs together ([`crate::phys_run`]).
+    pub runs: Box<crate::phys_run::Runs>,
 }
 
 /// The bits of word `w` of a page bitmap that fall in pages [first, end).

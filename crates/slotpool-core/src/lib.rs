@@ -38,6 +38,7 @@ mod paged;
 pub mod pause;
 pub mod peak;
 pub mod peer;
+pub mod phys_run;
 pub mod policy;
 pub mod pool;
 pub mod route;

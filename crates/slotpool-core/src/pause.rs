@@ -179,20 +179,63 @@ impl Shard {
         self.flush_quick(env);
         let mut kept = Vec::with_capacity(pages.len());
         let mut unreleased = 0;
-        for p in pages {
+        let mut i = 0;
+        while i < pages.len() {
+            let p = pages[i];
             let small = self.segments[p.seg].small;
-            // A page mapped at several slots (an alias, see `alias.rs`) leaves with its last
-            // slot; each slot is resumed with a page of its own.
-            match self.unmap_page(env, p.seg, p.page) {
-                Ok(left) => {
-                    if let Some(h) = left {
-                        give_back(env, h);
+            let run = match &self.segments[p.seg].kind {
+                SegmentKind::Vmm(pt) => pt.run_of(p.page),
+                SegmentKind::Classic => None,
+            };
+            // A run goes with one unmap and one release (its slots are all mapped, so all listed
+            // from its first on).
+            if let Some((first, r)) = run {
+                let n = (first + r.pages - p.page).min(pages.len() - i);
+                match self.release_run(env, p.seg, first) {
+                    Ok(bytes) => {
+                        self.stats.reserved_paused_bytes.inc(small, bytes as i64);
+                        kept.extend_from_slice(&pages[i..i + n]);
                     }
-                    self.stats.reserved_paused_bytes.inc(small, ps as i64);
-                    kept.push(p);
+                    Err(_) => unreleased += r.pages as u64 * ps,
                 }
-                Err(_) => unreleased += ps,
+                i += n;
+                continue;
             }
+            // Slots mapped page by page next to each other: one unmap where the backend can.
+            let n = 1 + pages[i + 1..]
+                .iter()
+                .zip(&pages[i..])
+                .take_while(|&(b, a)| b.seg == a.seg && b.page == a.page + 1)
+                .take_while(|&(b, _)| {
+                    matches!(&self.segments[b.seg].kind, SegmentKind::Vmm(pt) if !pt.in_run(b.page))
+                })
+                .count();
+            if let Some(left) = self.unmap_stretch(env, p.seg, p.page, n) {
+                for h in left {
+                    give_back(env, h);
+                }
+                self.stats
+                    .reserved_paused_bytes
+                    .inc(small, (n as u64 * ps) as i64);
+                kept.extend_from_slice(&pages[i..i + n]);
+                i += n;
+                continue;
+            }
+            for &q in &pages[i..i + n] {
+                // A page mapped at several slots (an alias, see `alias.rs`) leaves with its last
+                // slot; each slot is resumed with a page of its own.
+                match self.unmap_page(env, q.seg, q.page) {
+                    Ok(left) => {
+                        if let Some(h) = left {
+                            give_back(env, h);
+                        }
+                        self.stats.reserved_paused_bytes.inc(small, ps as i64);
+                        kept.push(q);
+                    }
+                    Err(_) => unreleased += ps,
+                }
+            }
+            i += n;
         }
         self.pause = Some(Box::new(ShardPause {
             quick_off: self.quick_off,
@@ -203,8 +246,8 @@ impl Shard {
         unreleased
     }
 
-    /// Map new pages under every paused page, retained ones retained again. On error nothing
-    /// stays mapped.
+    /// Map new memory under every paused page, each stretch of consecutive slots as physical
+    /// runs ([`Shard::map_runs`]), retained slots retained again. On error nothing stays mapped.
     fn resume_map(&mut self, env: &Env<'_>) -> Result<(), ShardError> {
         let ps = env.page_size();
         let Some(pause) = self.pause.take() else {
@@ -212,8 +255,7 @@ impl Shard {
         };
         let mut result = Ok(());
         for (seg, first, n, _) in runs_of(&pause.pages, ps) {
-            let addr = self.segments[seg].addr + first as u64 * ps;
-            if let Err(e) = self.map_range(env, seg, addr, n as u64 * ps, false) {
+            if let Err(e) = self.map_runs(env, seg, first, n) {
                 result = Err(e);
                 break;
             }
@@ -230,15 +272,20 @@ impl Shard {
         result
     }
 
-    /// Undo [`Shard::resume_map`]: unmap and give back every paused page mapped now.
+    /// Undo [`Shard::resume_map`]: unmap and give back every paused page mapped now (a run
+    /// whole).
     fn resume_undo(&mut self, env: &Env<'_>) {
         let Some(pause) = self.pause.take() else {
             return;
         };
         for p in &pause.pages {
-            let mapped =
-                matches!(&self.segments[p.seg].kind, SegmentKind::Vmm(pt) if pt.is_mapped(p.page));
-            if mapped && let Ok(Some(h)) = self.unmap_page(env, p.seg, p.page) {
+            let (mapped, run) = match &self.segments[p.seg].kind {
+                SegmentKind::Vmm(pt) => (pt.is_mapped(p.page), pt.run_of(p.page)),
+                SegmentKind::Classic => (false, None),
+            };
+            if let Some((first, _)) = run {
+                let _ = self.release_run(env, p.seg, first);
+            } else if mapped && let Ok(Some(h)) = self.unmap_page(env, p.seg, p.page) {
                 give_back(env, h);
             }
         }

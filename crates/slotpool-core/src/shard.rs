@@ -46,6 +46,9 @@ pub enum ShardError {
     StaleDuringCapture,
     /// The shard's pool is paused: nothing is handed out until it is resumed.
     Paused,
+    /// A page operation named one slot of a physical run, which is unmapped only whole
+    /// ([`crate::phys_run`]).
+    InRun,
 }
 
 impl From<DeviceError> for ShardError {
@@ -95,6 +98,9 @@ pub struct Released {
 ///     physical page; a physical page backs at most one occupied slot (live blocks over it, or
 ///     graph-retained); no two non-free blocks reach the same byte of a physical page through
 ///     any of its slots; `reserved_bytes` counts each physical page once.
+/// 12. Physical runs ([`crate::phys_run`]): runs lie inside their reservation and do not
+///     overlap; each slot of a run is mapped to its own tag, never an alias; no other slot holds
+///     a tag.
 #[derive(Debug)]
 pub struct Shard {
     pub pool: PoolId,
@@ -111,7 +117,7 @@ pub struct Shard {
     /// vmm: frees since the last recorded event belong to `epoch`; pages idle since an epoch below
     /// `safe_epoch` may be unmapped.
     pub(crate) epoch: u64,
-    safe_epoch: u64,
+    pub(crate) safe_epoch: u64,
     epoch_events: VecDeque<(u64, EventHandle)>,
     /// The live checkpoints' marks, oldest first (see `checkpoint.rs`).
     pub(crate) marks: Vec<Mark>,
@@ -1293,7 +1299,7 @@ impl Shard {
                 break;
             }
             let Some(h) = pt.handle[q] else { continue };
-            if !seen.insert(h) || taken.contains_key(&h) || !pt.page_idle(h) {
+            if pt.in_run(q) || !seen.insert(h) || taken.contains_key(&h) || !pt.page_idle(h) {
                 continue;
             }
             let lowest = pt
@@ -1387,7 +1393,7 @@ impl Shard {
                 continue;
             }
             let found = pt.idle_pages_rev().find_map(|p| {
-                let h = pt.handle[p]?;
+                let h = pt.handle[p].filter(|_| !pt.in_run(p))?;
                 pt.slots_of(h)
                     .iter()
                     .map(|&s| s as usize)
@@ -1468,6 +1474,9 @@ impl Shard {
         };
         if !pt.is_mapped(p) {
             return Err(ShardError::PageNotMapped);
+        }
+        if pt.in_run(p) {
+            return Err(ShardError::InRun);
         }
         env.dev.unmap(addr)?;
         env.trace
@@ -1585,9 +1594,11 @@ impl Shard {
                         .filter(|&p| {
                             pt.idle_epoch[p] < self.safe_epoch
                                 && !(keep_retained && pt.is_retained(p))
+                                && !pt.in_run(p)
                         })
                         .collect()
                 };
+                out.bytes += self.release_idle_runs(env, seg, keep_retained);
                 for p in idle {
                     // A slot whose page is mapped at another slot too frees no memory.
                     let Ok(Some(h)) = self.unmap_page(env, seg, p) else {
@@ -1945,6 +1956,8 @@ impl Shard {
                     ));
                 }
                 pt.check_aliases()
+                    .map_err(|e| format!("{e} (segment {sid})"))?;
+                pt.check_runs((seg.size / page_size) as usize)
                     .map_err(|e| format!("{e} (segment {sid})"))?;
                 self.check_no_shared_bytes(sid, page_size)?;
                 recount
