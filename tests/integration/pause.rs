@@ -412,9 +412,16 @@ mod model {
 
     #[derive(Clone, Debug)]
     enum Op {
-        Alloc { pool: usize, size: u64, stream: u64 },
+        Alloc {
+            pool: usize,
+            size: u64,
+            stream: u64,
+        },
         Free(usize),
-        Pause { pool: usize, backup: bool },
+        Pause {
+            pool: usize,
+            backup: bool,
+        },
         Resume(usize),
         Checkpoint(usize),
         Restore(usize),
@@ -424,6 +431,8 @@ mod model {
         EndRoute,
         EmptyCache,
         EmptyPoolCache(usize),
+        /// Whether the device unmaps ranges over several mappings in one call.
+        SpanUnmap(bool),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -441,6 +450,7 @@ mod model {
             1 => Just(Op::EndRoute),
             1 => Just(Op::EmptyCache),
             1 => (0usize..3).prop_map(Op::EmptyPoolCache),
+            1 => any::<bool>().prop_map(Op::SpanUnmap),
         ]
     }
 
@@ -635,6 +645,10 @@ mod model {
                 }
                 Op::EmptyPoolCache(pool) => {
                     alloc.empty_pool_cache(pools[*pool]).unwrap();
+                    false
+                }
+                Op::SpanUnmap(on) => {
+                    dev.set_span_unmap(*on);
                     false
                 }
             };

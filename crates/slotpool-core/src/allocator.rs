@@ -1089,6 +1089,7 @@ impl<D: Device> Allocator<D> {
     pub fn empty_cache(&self) {
         let reclaim = lock(&self.reclaim);
         let synced = !self.capture_underway() && self.counted.synchronize().is_ok();
+        self.end_orphaned_pauses(&reclaim);
         self.release_all_cached(synced, false);
         self.release_page_pool();
         self.forget_freeable_pools(&reclaim);
@@ -1101,6 +1102,7 @@ impl<D: Device> Allocator<D> {
         }
         let reclaim = lock(&self.reclaim);
         let synced = !self.capture_underway() && self.counted.synchronize().is_ok();
+        self.end_orphaned_pauses(&reclaim);
         for cell in self.pool_shards(pool) {
             self.release_on(pool, &cell, synced, false);
         }

@@ -154,7 +154,9 @@ pub trait Device: Send + Sync + 'static {
     /// the allocator then maps page by page.
     fn create_run(&self, pages: usize) -> DeviceResult<PageHandle> {
         let _ = pages;
-        Err(DeviceError::Unavailable("this backend has no physical runs".into()))
+        Err(DeviceError::Unavailable(
+            "this backend has no physical runs".into(),
+        ))
     }
 
     /// Map the whole run `run` of `pages` pages at `ptr` as one mapping and make it accessible
@@ -162,7 +164,9 @@ pub trait Device: Send + Sync + 'static {
     /// addresses are page slots of one reservation where nothing is mapped.
     fn map_whole(&self, ptr: DevicePtr, run: PageHandle, pages: usize) -> DeviceResult<()> {
         let _ = (ptr, run, pages);
-        Err(DeviceError::Unavailable("this backend has no physical runs".into()))
+        Err(DeviceError::Unavailable(
+            "this backend has no physical runs".into(),
+        ))
     }
 
     /// Unmap the whole mappings that cover exactly `[ptr, ptr + size)` (a run, or pages mapped

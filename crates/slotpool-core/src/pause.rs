@@ -325,6 +325,29 @@ impl Shard {
         }
     }
 
+    /// Forget the pause of a shard that holds no live block (its pool is released): the
+    /// paused pages stop counting as reserved, the backup is freed (kept as the spare buffer,
+    /// freed by the next empty-cache, if the backend refuses).
+    fn abandon_pause(&mut self, env: &Env<'_>) {
+        let ps = env.page_size() as i64;
+        let Some(pause) = self.pause.take() else {
+            return;
+        };
+        for p in &pause.pages {
+            let small = self.segments[p.seg].small;
+            self.stats.reserved_paused_bytes.dec(small, ps);
+        }
+        self.quick_off = pause.quick_off;
+        if let Some((buf, n)) = pause.host
+            && env.dev.free_host(buf).is_err()
+        {
+            tracing::warn!("a released paused pool's backup could not be freed");
+            if let Some((old, _)) = self.host_spare.replace((buf, n)) {
+                let _ = env.dev.free_host(old);
+            }
+        }
+    }
+
     /// (paused bytes, host bytes: the backup and the spare buffer) of this shard.
     fn pause_bytes(&self, ps: u64) -> (u64, u64) {
         let spare = self.host_spare.map_or(0, |(_, n)| n);
@@ -575,6 +598,34 @@ impl<D: Device> Allocator<D> {
         }
         entry.paused = None;
         Ok(mapped)
+    }
+
+    /// End the pauses that nothing can resume usefully: a paused pool whose last use was
+    /// released ([`Allocator::release_pool`]), that holds no live block and that no live
+    /// checkpoint needs. Its backup is freed and its paused bytes forgotten, so that the cache
+    /// release that follows gives its reservations back and the pool is forgotten like any
+    /// empty released pool. A released paused pool with live blocks stays paused, its backup
+    /// kept, until it is resumed or its blocks are freed.
+    pub(crate) fn end_orphaned_pauses(&self, _reclaim: &std::sync::MutexGuard<'_, ()>) {
+        let mut pools = lock(&self.pools);
+        let shards = lock(&self.shards);
+        for (&id, entry) in pools.iter_mut() {
+            if entry.paused.is_none()
+                || entry.use_count > 0
+                || entry.checkpoints.iter().any(|c| c.strong_count() > 0)
+            {
+                continue;
+            }
+            let cells = by_stream(&shards, id);
+            let mut guards: Vec<_> = cells.iter().map(|c| lock(&c.shard)).collect();
+            if guards.iter().any(|s| s.live_blocks() > 0) {
+                continue;
+            }
+            for (cell, s) in cells.iter().zip(guards.iter_mut()) {
+                s.abandon_pause(&self.env(&cell.pool_budget));
+            }
+            entry.paused = None;
+        }
     }
 
     /// Whether `pool` is paused, how many bytes it gave back and how many the host holds.

@@ -182,7 +182,11 @@ pub(crate) fn free_run(env: &Env<'_>, run: PhysRun, page_size: u64) {
     if env.dev.release_page(run.handle).is_ok() {
         env.budget.release(bytes);
     } else {
-        tracing::warn!(handle = run.handle.0, bytes, "the driver refused to release a run");
+        tracing::warn!(
+            handle = run.handle.0,
+            bytes,
+            "the driver refused to release a run"
+        );
         env.pages.put_run(run.handle, bytes);
     }
 }

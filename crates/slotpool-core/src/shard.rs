@@ -1561,14 +1561,17 @@ impl Shard {
         keep_retained: bool,
     ) -> Released {
         let mut out = Released::default();
-        // A paused shard holds no mapped page, and its segments stay for the resume.
-        if env.capture_underway || self.pause.is_some() {
+        if env.capture_underway {
             return out;
         }
         if let Some((buf, _)) = self.host_spare.take()
             && env.dev.free_host(buf).is_err()
         {
             tracing::warn!("a paused pool's spare host buffer could not be freed");
+        }
+        // A paused shard holds no mapped page, and its segments stay for the resume.
+        if self.pause.is_some() {
+            return out;
         }
         self.flush_quick(env);
         self.prune_marks();

@@ -40,7 +40,12 @@ impl Memory {
         Ok(handle)
     }
 
-    pub(crate) fn map_whole(&mut self, ptr: DevicePtr, run: PageHandle, n: usize) -> DeviceResult<()> {
+    pub(crate) fn map_whole(
+        &mut self,
+        ptr: DevicePtr,
+        run: PageHandle,
+        n: usize,
+    ) -> DeviceResult<()> {
         let call = format!("map_whole({ptr:#x}, run {}, {n} pages)", run.0);
         let ps = self.page_size;
         let Some(r) = self.runs.get(&run) else {
@@ -96,7 +101,14 @@ impl Memory {
             return invalid(format!("{call}: not a whole number of pages"));
         }
         let end = ptr + size;
-        let Some((start, Range::Reservation { size: rsize, mapped })) = self.range_at(ptr) else {
+        let Some((
+            start,
+            Range::Reservation {
+                size: rsize,
+                mapped,
+            },
+        )) = self.range_at(ptr)
+        else {
             return invalid(format!("{call}: address is not inside a reservation"));
         };
         if end > start + rsize {
@@ -136,10 +148,8 @@ impl Memory {
         let Some(Range::Reservation { mapped, .. }) = self.ranges.get_mut(&start) else {
             return invalid(format!("{call}: reservation vanished"));
         };
-        let gone: Vec<(DevicePtr, PageHandle)> = mapped
-            .range(ptr..end)
-            .map(|(&a, &h)| (a, h))
-            .collect();
+        let gone: Vec<(DevicePtr, PageHandle)> =
+            mapped.range(ptr..end).map(|(&a, &h)| (a, h)).collect();
         for &(a, _) in &gone {
             mapped.remove(&a);
         }
