@@ -256,7 +256,7 @@ fn a_released_paused_pool_keeps_its_backup_while_blocks_live_and_frees_it_after(
 }
 
 #[test]
-fn a_pool_in_use_stays_paused_when_empty_and_a_discard_pause_frees_its_spare_buffer() {
+fn a_pool_in_use_keeps_its_pinned_buffer_and_its_pause_when_empty() {
     let (dev, alloc, pool, live) = filled();
     alloc.pause_pool(pool, PauseMode::Backup).unwrap();
     alloc.resume_pool(pool).unwrap();
@@ -271,8 +271,8 @@ fn a_pool_in_use_stays_paused_when_empty_and_a_discard_pause_frees_its_spare_buf
     checked(&dev, &alloc);
     assert_eq!(
         dev.host_buffer_bytes(),
-        0,
-        "spare buffer kept by a paused pool"
+        spare,
+        "the spare buffer of a pool in use went"
     );
     let st = alloc.pool_pause_state(pool).unwrap();
     assert!(
@@ -283,4 +283,22 @@ fn a_pool_in_use_stays_paused_when_empty_and_a_discard_pause_frees_its_spare_buf
     alloc.empty_cache();
     checked(&dev, &alloc);
     assert_eq!(dev.physical_bytes(), 0);
+    // Emptied of segments, its shard stays for the buffer; the next backup pins nothing.
+    assert_eq!(dev.host_buffer_bytes(), spare);
+    let p = alloc.alloc_in(pool, 10 * MIB, 0).unwrap();
+    fill_probes(&dev, p, 10 * MIB, 5);
+    let (_, n) = calls_during(&dev, &[CallKind::AllocHost], || {
+        alloc.pause_pool(pool, PauseMode::Backup).unwrap()
+    });
+    assert_eq!(n, vec![0], "pinned again");
+    alloc.resume_pool(pool).unwrap();
+    verify_probes(&dev, p, 10 * MIB, 5).unwrap();
+    checked(&dev, &alloc);
+    // Released, the pool gives it back.
+    alloc.free(p).unwrap();
+    alloc.release_pool(pool).unwrap();
+    alloc.empty_cache();
+    checked(&dev, &alloc);
+    assert_eq!(dev.host_buffer_bytes(), 0);
+    assert!(!alloc.pools().contains(&pool));
 }

@@ -1564,7 +1564,10 @@ impl Shard {
         if env.capture_underway {
             return out;
         }
-        if let Some((buf, _)) = self.host_spare.take()
+        // The pinned buffer of the last backup stays while the pool is in use: pinning it again
+        // costs seconds per 10 GB, far more than any cycle.
+        if !keep_retained
+            && let Some((buf, _)) = self.host_spare.take()
             && env.dev.free_host(buf).is_err()
         {
             tracing::warn!("a paused pool's spare host buffer could not be freed");
