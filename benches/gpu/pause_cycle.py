@@ -69,7 +69,9 @@ def run_child(part, args, extra_path=None, timeout=300):
 
 def build_model(torch, scale, region=None, cuda_graph=None):
     """Weights [L, D, D] bf16 (10 GB x scale) and a KV cache (20 GB x scale) bf16, in the regions
-    `region` gives (or the default pool); the decode step captured as a CUDA graph."""
+    `region` gives (or the default pool); the decode step captured as a CUDA graph. Returns the
+    graph's static input x too: a replay reads it, so the caller must keep it alive (a freed x is
+    reused by later allocations, and the replay then reads their bytes)."""
     D = 4096
     layer_bytes = D * D * 2
     n_layers = max(1, int(10 * GB * scale) // layer_bytes)
@@ -102,7 +104,7 @@ def build_model(torch, scale, region=None, cuda_graph=None):
     else:
         with torch.cuda.graph(graph):
             out = decode()
-    return weights, kv, graph, out, idx
+    return weights, kv, graph, out, idx, x
 
 
 class _null:
@@ -157,7 +159,8 @@ def child_cycle(scale, fraction):
 
     sp.install()
     torch.cuda.set_per_process_memory_fraction(fraction)
-    weights, kv, graph, out, idx = build_model(torch, scale, region=sp.region, cuda_graph=sp.cuda_graph)
+    weights, kv, graph, out, idx, _x = build_model(torch, scale, region=sp.region,
+                                                   cuda_graph=sp.cuda_graph)
     graph.replay()
     torch.cuda.synchronize()
     before = out.clone().cpu()
@@ -226,7 +229,7 @@ def child_native(scale, fraction):
     import torch
 
     torch.cuda.set_per_process_memory_fraction(fraction)
-    weights, kv, graph, out, _ = build_model(torch, scale)
+    weights, kv, graph, out, _idx, _x = build_model(torch, scale)
     total = torch.cuda.mem_get_info()[1]
     want = sum(w.numel() * 2 for w in weights) + kv.numel() * 2
     limit = int(total * fraction)
