@@ -24,18 +24,16 @@
 //! into the device's and the pool's statistics: a slot live in any branch is one allocation of
 //! the largest size its branches asked for, rounded (the snapshot shows the same block).
 
-mod api;
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::allocator::{BlockSnapshot, SegmentSnapshot};
 use crate::block::BlockState;
 use crate::device::{DeviceError, DevicePtr, DeviceResult, PageHandle, StreamId};
 use crate::env::{Budget, Env};
 use crate::error::{AllocError, AllocResult};
 use crate::policy::MIN_BLOCK_SIZE;
 use crate::pool::PoolId;
+use crate::snapshot::{BlockSnapshot, SegmentSnapshot};
 use crate::stats::MemoryStats;
 
 /// An arena's id, unique per allocator.
@@ -182,9 +180,106 @@ pub(crate) struct Arena {
 }
 
 impl Arena {
+    /// An empty arena of `pool` for work on `stream`, over the reservation `[base, base +
+    /// capacity)`; it holds a use of the pool, whose budget is `pool_budget`.
+    pub(crate) fn new(
+        pool: PoolId,
+        stream: StreamId,
+        pool_budget: Arc<Budget>,
+        base: DevicePtr,
+        capacity: u64,
+    ) -> Self {
+        Arena {
+            pool,
+            stream,
+            pool_budget,
+            base,
+            capacity,
+            end: 0,
+            slots: BTreeMap::new(),
+            pages: Vec::new(),
+            by_offset: BTreeMap::new(),
+            live: Live::default(),
+            debug: false,
+            relocations: 0,
+            overlaps: Vec::new(),
+            stats: MemoryStats::default(),
+            counted: Held::default(),
+        }
+    }
+
+    pub(crate) fn pool(&self) -> PoolId {
+        self.pool
+    }
+
+    pub(crate) fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    /// The budget of the pool the arena holds a use of.
+    pub(crate) fn pool_budget(&self) -> &Arc<Budget> {
+        &self.pool_budget
+    }
+
+    /// Turn the overlap check on or off.
+    pub(crate) fn set_debug(&mut self, on: bool) {
+        self.debug = on;
+    }
+
+    /// Live (branch, slot) allocations.
+    pub(crate) fn live_count(&self) -> usize {
+        self.live.len
+    }
+
+    /// The reservation: (base, capacity).
+    pub(crate) fn reservation(&self) -> (DevicePtr, u64) {
+        (self.base, self.capacity)
+    }
+
+    /// The mapped pages' range: (base, bytes).
+    pub(crate) fn mapped(&self, ps: u64) -> (DevicePtr, u64) {
+        (self.base, self.pages.len() as u64 * ps)
+    }
+
+    pub(crate) fn stats(&self) -> &MemoryStats {
+        &self.stats
+    }
+
+    pub(crate) fn stats_mut(&mut self) -> &mut MemoryStats {
+        &mut self.stats
+    }
+
+    /// Bytes the live slots count as allocated.
+    pub(crate) fn counted_bytes(&self) -> i64 {
+        self.counted.bytes
+    }
+
+    /// The arena's pages, slots and live allocations as text (debug-mode overlap reports are
+    /// left out: recording one is what a refused overlapping call does).
+    pub(crate) fn dump(&self, id: u64, out: &mut String) {
+        use std::fmt::Write;
+        let _ = writeln!(
+            out,
+            "arena {id} pool {} stream {} at {:#x}: end {} pages {} relocations {} {:?}",
+            self.pool,
+            self.stream,
+            self.base,
+            self.end,
+            self.pages.len(),
+            self.relocations,
+            self.stats
+        );
+        for (s, sl) in &self.slots {
+            let _ = writeln!(out, " slot {s} {:#x}+{}", self.base + sl.offset, sl.size);
+        }
+        for ((b, s), req) in self.live.iter() {
+            let _ = writeln!(out, " live branch {b} slot {s} req={req}");
+        }
+    }
+
     /// Validate `size` and round it to the slot granularity.
     fn slot_size(size: u64) -> AllocResult<u64> {
-        if size == 0 || size > crate::allocator::MAX_REQUEST {
+        if size == 0 || size > crate::block::MAX_REQUEST {
             return Err(AllocError::InvalidSize(size));
         }
         Ok(round(size))
@@ -416,7 +511,7 @@ impl Arena {
 
     /// Unmap every page, last first, into the device's page pool. On a device error the pages
     /// still mapped stay the arena's.
-    fn unmap_all(&mut self, env: &Env) -> DeviceResult<()> {
+    pub(crate) fn unmap_all(&mut self, env: &Env) -> DeviceResult<()> {
         let ps = env.page_size();
         while let Some(&page) = self.pages.last() {
             env.dev
@@ -433,7 +528,7 @@ impl Arena {
         Ok(())
     }
 
-    fn report(&self, ps: u64) -> ArenaReport {
+    pub(crate) fn report(&self, ps: u64) -> ArenaReport {
         ArenaReport {
             base: self.base,
             size: self.end,
@@ -447,7 +542,7 @@ impl Arena {
 
     /// The mapped pages as one vmm segment of the arena's pool: each slot a block (allocated
     /// while live in any branch), the space between and after them free.
-    fn snapshot(&self, ps: u64) -> Option<SegmentSnapshot> {
+    pub(crate) fn snapshot(&self, ps: u64) -> Option<SegmentSnapshot> {
         let size = self.pages.len() as u64 * ps;
         if size == 0 {
             return None;
@@ -502,7 +597,7 @@ impl Arena {
 
     /// The arena's own invariants: slots are disjoint and inside `[0, end)`, every live
     /// allocation's slot exists and holds it, and the statistics match the pages and live slots.
-    fn check(&self, ps: u64) -> Result<(), String> {
+    pub(crate) fn check(&self, ps: u64) -> Result<(), String> {
         let mut ranges: Vec<(u64, u64)> = self
             .slots
             .values()

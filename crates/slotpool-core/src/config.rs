@@ -84,11 +84,11 @@ const MIB: u64 = 1 << 20;
 
 /// Largest value of a `*_mb` key: 2^36 MiB, the 2^56 bytes of `MAX_REQUEST`. Anything above is
 /// no size a device has (and near 2^44 MiB, no byte count a `u64` holds).
-pub const MAX_MIB: u64 = crate::allocator::MAX_REQUEST / MIB;
+pub const MAX_MIB: u64 = crate::block::MAX_REQUEST / MIB;
 
 /// Largest `roundup_power2_divisions` value: above it, no request up to `MAX_REQUEST` is large
 /// enough to be divided (rounding divides sizes above 512 bytes times the divisions).
-pub const MAX_DIVISIONS: u64 = crate::allocator::MAX_REQUEST / 512;
+pub const MAX_DIVISIONS: u64 = crate::block::MAX_REQUEST / 512;
 
 /// The cap a memory limit of `bytes` sets: 0 is no cap (`None`), anything else that many bytes.
 /// The one meaning of a zero limit, for `memory_limit_mb` and `Allocator::set_memory_limit`.

@@ -10,7 +10,7 @@ use crate::device::{
 };
 
 /// Backend calls made so far, by kind. `map` counts pages mapped one by one (a run of n pages
-/// is n maps); a physical run (`crate::phys_run`) counts one `create_page`, one `map`, one
+/// is n maps); a physical run (`crate::block::runs`) counts one `create_page`, one `map`, one
 /// `unmap` and one `release_page`, as the driver sees it, and an unmap of several pages in one
 /// call ([`Device::unmap_range`]) one `unmap`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]

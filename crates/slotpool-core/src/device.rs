@@ -148,7 +148,7 @@ pub trait Device: Send + Sync + 'static {
     fn unmap(&self, ptr: DevicePtr) -> DeviceResult<()>;
 
     /// Create one physical allocation of `pages` pages (`cuMemCreate` of `pages` times the page
-    /// size): a *physical run* (`slotpool_core::phys_run`), mapped whole with
+    /// size): a *physical run* (`slotpool_core::block::runs`), mapped whole with
     /// [`Device::map_whole`], unmapped whole with [`Device::unmap_range`] and given back with
     /// [`Device::release_page`]. Backends without runs refuse it ([`DeviceError::Unavailable`]):
     /// the allocator then maps page by page.

@@ -99,7 +99,7 @@ impl Budget {
 /// Unmapped physical pages, ready to be mapped anywhere on the device. They were unmapped only
 /// after the work that last touched them completed, so any stream may use them at once.
 ///
-/// It also holds the *stray runs*: physical runs ([`crate::phys_run`]) that nothing maps and that
+/// It also holds the *stray runs*: physical runs ([`crate::block::runs`]) that nothing maps and that
 /// the driver refused to release; they stay in the device budget until a release succeeds.
 #[derive(Debug, Default)]
 pub struct PagePool {

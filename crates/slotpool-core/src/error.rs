@@ -112,7 +112,7 @@ pub enum AllocError {
     #[error("invalid state: {0}")]
     InvalidState(String),
     #[error("restore refused, nothing changed: {0}")]
-    CheckpointMismatch(Box<crate::checkpoint::RestoreDiff>),
+    CheckpointMismatch(Box<RestoreDiff>),
     #[error("pool {0} is paused: resume it before allocating from it")]
     PoolPaused(PoolId),
     #[error("device error: {0}")]
@@ -127,3 +127,44 @@ impl From<DeviceError> for AllocError {
 
 /// Result of a core call.
 pub type AllocResult<T> = Result<T, AllocError>;
+
+/// Why a restore was refused; nothing changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RestoreDiff {
+    /// Human-readable reasons, one per mismatch.
+    pub mismatches: Vec<String>,
+    /// Allocations live now that the checkpoint does not have: (address, size).
+    pub added: Vec<(DevicePtr, u64)>,
+    /// Allocations of the checkpoint that are not live now: (address, size).
+    pub removed: Vec<(DevicePtr, u64)>,
+}
+
+impl std::fmt::Display for RestoreDiff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.mismatches.join("; "))?;
+        let list = |v: &[(DevicePtr, u64)]| {
+            v.iter()
+                .take(8)
+                .map(|(a, s)| format!("{a:#x}+{s}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if !self.added.is_empty() {
+            write!(
+                f,
+                "; {} added since: {}",
+                self.added.len(),
+                list(&self.added)
+            )?;
+        }
+        if !self.removed.is_empty() {
+            write!(
+                f,
+                "; {} removed since: {}",
+                self.removed.len(),
+                list(&self.removed)
+            )?;
+        }
+        Ok(())
+    }
+}

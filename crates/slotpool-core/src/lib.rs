@@ -19,10 +19,10 @@
 //! ```
 #![forbid(unsafe_code)]
 
-pub mod alias;
 pub mod allocator;
 pub mod arena;
 pub mod block;
+pub use block::alias;
 mod block_slab;
 pub mod checkpoint;
 pub mod config;
@@ -35,20 +35,21 @@ pub mod history;
 pub mod id_slab;
 mod live_map;
 mod paged;
-pub mod pause;
+pub use allocator::pause;
 pub mod peak;
-pub mod peer;
-pub mod phys_run;
 pub mod policy;
 pub mod pool;
 pub mod route;
 pub mod shard;
+pub mod snapshot;
+mod sort;
 pub mod stats;
 pub mod sync;
-pub mod variants;
 
-pub use allocator::{Allocator, MAX_REQUEST, SharedPages};
+pub use allocator::VariantGroup;
+pub use allocator::{Allocator, SharedPages};
 pub use arena::{ArenaId, ArenaReport, Overlap};
+pub use block::MAX_REQUEST;
 pub use checkpoint::{Checkpoint, RestoreDelta, RestoreDiff};
 pub use config::{Config, ConfigError, GrowthMode};
 pub use counted::BackendCalls;
@@ -62,4 +63,3 @@ pub use pause::{PauseMode, PauseState};
 pub use pool::{PoolId, PoolOptions};
 pub use route::{RouteFilter, current_thread_id};
 pub use stats::{MemoryStats, Stat, StatArray};
-pub use variants::VariantGroup;

@@ -367,8 +367,8 @@ impl LiveMap {
         }
         // Addresses are multiples of 512: drop the zero bits they share.
         let zeros = any.trailing_zeros().min(63);
-        let addr_bits = crate::checkpoint::bits((hi - lo) >> zeros);
-        let idx_bits = crate::checkpoint::bits(ops.len() as u64);
+        let addr_bits = crate::sort::bits((hi - lo) >> zeros);
+        let idx_bits = crate::sort::bits(ops.len() as u64);
         let packed = addr_bits + idx_bits <= 64;
         keys.clear();
         if packed {
@@ -377,7 +377,7 @@ impl LiveMap {
                     .enumerate()
                     .map(|(k, op)| ((op.entry.addr - lo) >> zeros) << idx_bits | k as u64),
             );
-            crate::checkpoint::radix_sort(keys, tmp, addr_bits, |&x| x >> idx_bits);
+            crate::sort::radix_sort(keys, tmp, addr_bits, |&x| x >> idx_bits);
         } else {
             keys.extend(0..ops.len() as u64);
             keys.sort_by_key(|&k| ops[k as usize].entry.addr);

@@ -6,7 +6,7 @@
 //! The allocator's own locks are not swapped for loom's (the shard lock is a spin lock inside a
 //! 128-byte-aligned cell, the thread's cached shard a thread-local, the registry holds `Weak`s,
 //! which loom's `Arc` lacks): this is a model of the protocol with the same locks, the same lock
-//! order and the same state transitions as `allocator.rs`, each step named after the code it
+//! order and the same state transitions as `allocator/`, each step named after the code it
 //! stands for:
 //!
 //! - `shard_for` / `refresh_shard` / `shard_for_slow`: the thread's cached shard while the

@@ -11,7 +11,7 @@
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::block::PageTable;
+use super::PageTable;
 use crate::device::PageHandle;
 
 /// Most conflicts a page table remembers; past it, it forgets them all and learns again.

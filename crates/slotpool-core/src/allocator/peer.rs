@@ -6,10 +6,8 @@
 //! mapped already is given the same access, as PyTorch's expandable segments do.
 
 use crate::allocator::Allocator;
-use crate::block::SegmentKind;
-use crate::device::{Device, DevicePtr};
+use crate::device::Device;
 use crate::error::AllocResult;
-use crate::shard::Shard;
 use crate::sync::lock;
 
 impl<D: Device> Allocator<D> {
@@ -26,26 +24,5 @@ impl<D: Device> Allocator<D> {
         }
         self.refresh_arena_access()?;
         Ok(())
-    }
-}
-
-impl Shard {
-    /// The runs of consecutive mapped pages of this shard's vmm segments: (address, bytes).
-    pub(crate) fn mapped_runs(&self, page_size: u64) -> Vec<(DevicePtr, u64)> {
-        let mut runs = Vec::new();
-        for (_, seg) in self.segments() {
-            let SegmentKind::Vmm(pt) = &seg.kind else {
-                continue;
-            };
-            let mut first = 0u64;
-            for run in pt.handle.chunk_by(|a, b| a.is_some() == b.is_some()) {
-                let len = run.len() as u64;
-                if run[0].is_some() {
-                    runs.push((seg.addr + first * page_size, len * page_size));
-                }
-                first += len;
-            }
-        }
-        runs
     }
 }

@@ -1,14 +1,14 @@
 //! Checkpoint / restore on the allocator, and variant groups built on them.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use crate::allocator::{Allocator, ShardRef};
-use crate::checkpoint::{Checkpoint, CheckpointToken, RestoreDelta, RestoreDiff};
+use crate::checkpoint::{Checkpoint, CheckpointToken, MarkHolder, RestoreDelta, RestoreDiff};
 use crate::device::{Device, DevicePtr};
 use crate::error::{AllocError, AllocResult};
 use crate::pool::PoolId;
-use crate::shard::ShardError;
+use crate::shard::{ShardCell, ShardError};
 use crate::sync::lock;
 
 static NEXT_TOKEN: AtomicU64 = AtomicU64::new(1);
@@ -45,7 +45,7 @@ impl<D: Device> Allocator<D> {
     /// deadlock.
     fn pool_shards_sorted(&self, pool: PoolId) -> Vec<ShardRef> {
         let mut cells = self.pool_shards(pool);
-        cells.sort_by_key(|c| lock(&c.shard).stream);
+        cells.sort_by_key(|c| lock(&c.shard).stream());
         cells
     }
 
@@ -67,11 +67,11 @@ impl<D: Device> Allocator<D> {
         // Validate every shard first so that a refusal leaves no marks behind.
         for c in &cells {
             let s = lock(&c.shard);
-            if !s.pending.is_empty() || !s.deferred.is_empty() {
+            if s.waits_on_events() {
                 return Err(AllocError::InvalidState(format!(
                     "pool {pool}: frees on stream {} wait on cross-stream events; call \
                      synchronize or process_events first",
-                    s.stream
+                    s.stream()
                 )));
             }
         }
@@ -83,7 +83,8 @@ impl<D: Device> Allocator<D> {
             s.flush_quick(&self.env(&c.pool_budget));
             s.add_mark(&token).map_err(AllocError::InvalidState)?;
             live += s.stats.allocation.all().current as usize;
-            marks.push((s.stream, Arc::downgrade(c)));
+            let holder: Weak<dyn MarkHolder> = Arc::downgrade(c) as Weak<ShardCell>;
+            marks.push((s.stream(), holder));
         }
         Ok(Checkpoint {
             allocator: self.uid,
@@ -160,7 +161,7 @@ impl<D: Device> Allocator<D> {
             let mark = checkpoint
                 .marks
                 .iter()
-                .any(|(_, w)| w.upgrade().is_some_and(|c| Arc::ptr_eq(&c, cell)))
+                .any(|(_, w)| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(cell)))
                 .then_some(checkpoint.token.id);
             if mark.is_none() {
                 // A shard born after the checkpoint keeps no quick cache (`Shard::quick_off`)
@@ -172,7 +173,7 @@ impl<D: Device> Allocator<D> {
         if !diff.mismatches.is_empty() || !strays.is_empty() {
             drop(guards);
             for &p in &strays {
-                let owner = self.with_owner(p, |_, s| s.pool);
+                let owner = self.with_owner(p, |_, s| s.pool());
                 diff.mismatches.push(match owner {
                     Some(owner) if owner != pool => format!("{p:#x} belongs to another pool"),
                     _ => format!("{p:#x} is not a live allocation"),
@@ -260,3 +261,6 @@ impl<D: Device> Allocator<D> {
             .ok_or_else(|| AllocError::InvalidState("no variant of this group is active".into()))
     }
 }
+
+#[cfg(test)]
+mod tests;

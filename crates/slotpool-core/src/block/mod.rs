@@ -1,6 +1,12 @@
 //! Blocks and segments: the pieces a shard's memory is cut into.
 
+pub mod alias;
+pub mod runs;
+
 use crate::device::{DevicePtr, PageHandle, StreamId};
+
+/// Largest request accepted (2^56 bytes); anything above is a caller bug, not an OOM.
+pub const MAX_REQUEST: u64 = 1 << 56;
 
 /// Index of a block in its shard's slab.
 pub type BlockId = usize;
@@ -192,9 +198,9 @@ pub struct PageTable {
     pub mapped_count: usize,
     /// Which slots each physical page is mapped at ([`crate::alias`]; boxed: a segment's kind
     /// stays small).
-    pub alias: Box<crate::alias::Aliases>,
-    /// Which slots one physical allocation backs together ([`crate::phys_run`]).
-    pub runs: Box<crate::phys_run::Runs>,
+    pub alias: Box<alias::Aliases>,
+    /// Which slots one physical allocation backs together ([`runs`]).
+    pub runs: Box<runs::Runs>,
 }
 
 /// The bits of word `w` of a page bitmap that fall in pages [first, end).

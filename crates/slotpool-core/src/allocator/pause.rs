@@ -15,7 +15,7 @@
 //!   works; nothing of it is released, cached or restored; a checkpoint may be taken (it records
 //!   blocks only), a restore is refused.
 //! - Pausing and resuming are transactions: on error nothing changed.
-//! - A resume maps each stretch of paused slots as physical runs (`phys_run.rs`: one allocation
+//! - A resume maps each stretch of paused slots as physical runs (`block/runs.rs`: one allocation
 //!   and one mapping per run instead of per page); the next pause unmaps and releases each run with
 //!   one call each, and a stretch of pages mapped one by one with one unmap where the backend can.
 //! - The backup's pinned buffer is allocated at the first backed-up pause and kept for the next
@@ -23,7 +23,7 @@
 //!   released pool frees it at the next empty-cache.
 //! - A released paused pool (no use left) stays paused while it holds live blocks; once it holds
 //!   none (and no live checkpoint), the next empty-cache ends its pause
-//!   ([`Allocator::end_orphaned_pauses`]): backup freed, paused bytes forgotten, reservations
+//!   (`Allocator::end_orphaned_pauses`): backup freed, paused bytes forgotten, reservations
 //!   released, pool forgotten.
 
 use crate::allocator::{Allocator, ShardRef, ShardTable, shards_of};

@@ -2,16 +2,16 @@
 //! [`Env`]; creating and destroying an arena takes and gives back a use of its pool; and the
 //! arenas' part of the statistics, the snapshot, the state dump and the invariants.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::{Arena, ArenaId, ArenaReport, Held, Live};
-use crate::allocator::{Allocator, SegmentSnapshot};
+use super::Allocator;
+use crate::arena::{Arena, ArenaId, ArenaReport};
 use crate::device::{Device, DevicePtr, DeviceResult, StreamId};
 use crate::env::{Budget, Env};
 use crate::error::{AllocError, AllocResult};
 use crate::pool::PoolId;
+use crate::snapshot::SegmentSnapshot;
 use crate::stats::MemoryStats;
 use crate::sync::lock;
 
@@ -37,26 +37,7 @@ impl<D: Device> Allocator<D> {
             }
         };
         let id = self.next_arena.fetch_add(1, Ordering::Relaxed);
-        lock(&self.arenas).insert(
-            id,
-            Arena {
-                pool,
-                stream,
-                pool_budget,
-                base,
-                capacity,
-                end: 0,
-                slots: BTreeMap::new(),
-                pages: Vec::new(),
-                by_offset: BTreeMap::new(),
-                live: Live::default(),
-                debug: false,
-                relocations: 0,
-                overlaps: Vec::new(),
-                stats: MemoryStats::default(),
-                counted: Held::default(),
-            },
-        );
+        lock(&self.arenas).insert(id, Arena::new(pool, stream, pool_budget, base, capacity));
         Ok(ArenaId(id))
     }
 
@@ -73,11 +54,11 @@ impl<D: Device> Allocator<D> {
 
     /// Give back the use an arena took of its pool, if that pool is still the one it took.
     fn give_pool_use(&self, a: &Arena) {
-        if a.pool.is_default() {
+        if a.pool().is_default() {
             return;
         }
-        if let Some(e) = lock(&self.pools).get_mut(&a.pool)
-            && Arc::ptr_eq(&e.budget, &a.pool_budget)
+        if let Some(e) = lock(&self.pools).get_mut(&a.pool())
+            && Arc::ptr_eq(&e.budget, a.pool_budget())
         {
             e.use_count = e.use_count.saturating_sub(1);
         }
@@ -93,7 +74,7 @@ impl<D: Device> Allocator<D> {
         let a = arenas
             .get_mut(&arena.0)
             .ok_or_else(|| unknown_arena(arena))?;
-        let budget = a.pool_budget.clone();
+        let budget = a.pool_budget().clone();
         let env = self.env(&budget);
         f(a, &env)
     }
@@ -101,7 +82,7 @@ impl<D: Device> Allocator<D> {
     /// Turn the overlap check on or off.
     pub fn arena_set_debug(&self, arena: ArenaId, on: bool) -> AllocResult<()> {
         self.with_arena(arena, |a, _| {
-            a.debug = on;
+            a.set_debug(on);
             Ok(())
         })
     }
@@ -141,10 +122,11 @@ impl<D: Device> Allocator<D> {
         let a = arenas
             .get_mut(&arena.0)
             .ok_or_else(|| unknown_arena(arena))?;
-        if a.live.len > 0 {
+        if a.live_count() > 0 {
             return Err(AllocError::InvalidState(format!(
                 "arena {} has {} live allocations",
-                arena.0, a.live.len
+                arena.0,
+                a.live_count()
             )));
         }
         if self.capture_underway() {
@@ -152,69 +134,71 @@ impl<D: Device> Allocator<D> {
                 "cannot unmap during a capture".into(),
             ));
         }
-        let budget = a.pool_budget.clone();
+        let budget = a.pool_budget().clone();
         a.unmap_all(&self.env(&budget))?;
         let a = arenas
             .remove(&arena.0)
             .ok_or_else(|| unknown_arena(arena))?;
         self.give_pool_use(&a);
         drop(arenas);
-        self.dev.release_reservation(a.base, a.capacity)?;
+        let (base, capacity) = a.reservation();
+        self.dev.release_reservation(base, capacity)?;
         Ok(())
     }
 
     /// Give every added peer access to the arenas' pages (see `peer.rs`); under the arenas'
     /// lock, which their mapping and unmapping take.
-    pub(crate) fn refresh_arena_access(&self) -> DeviceResult<()> {
+    pub(super) fn refresh_arena_access(&self) -> DeviceResult<()> {
         let ps = self.shared.page_size;
         for a in lock(&self.arenas).values() {
-            if !a.pages.is_empty() {
-                self.dev.refresh_access(a.base, a.pages.len() as u64 * ps)?;
+            let (base, bytes) = a.mapped(ps);
+            if bytes > 0 {
+                self.dev.refresh_access(base, bytes)?;
             }
         }
         Ok(())
     }
 
     /// Physical bytes held by arenas, per pool (part of `held_bytes`).
-    pub(crate) fn arena_bytes(&self) -> Vec<(PoolId, u64)> {
+    pub(super) fn arena_bytes(&self) -> Vec<(PoolId, u64)> {
         let ps = self.shared.page_size;
         lock(&self.arenas)
             .values()
-            .map(|a| (a.pool, a.pages.len() as u64 * ps))
+            .map(|a| (a.pool(), a.mapped(ps).1))
             .collect()
     }
 
     /// The arenas' statistics merged into `out`, those of `pool` only when given.
-    pub(crate) fn merge_arena_stats(&self, out: &mut MemoryStats, pool: Option<PoolId>) {
+    pub(super) fn merge_arena_stats(&self, out: &mut MemoryStats, pool: Option<PoolId>) {
         for a in lock(&self.arenas).values() {
-            if pool.is_none_or(|p| p == a.pool) {
-                out.merge(&a.stats);
+            if pool.is_none_or(|p| p == a.pool()) {
+                out.merge(a.stats());
             }
         }
     }
 
     /// Apply `f` to every arena's statistics (peak and total resets).
-    pub(crate) fn arena_stats_mut(&self, f: impl Fn(&mut MemoryStats)) {
+    pub(super) fn arena_stats_mut(&self, f: impl Fn(&mut MemoryStats)) {
         for a in lock(&self.arenas).values_mut() {
-            f(&mut a.stats);
+            f(a.stats_mut());
         }
     }
 
     /// The pools arenas live in (never forgotten while they do).
-    pub(crate) fn arena_pools(&self) -> Vec<PoolId> {
-        lock(&self.arenas).values().map(|a| a.pool).collect()
+    pub(super) fn arena_pools(&self) -> Vec<PoolId> {
+        lock(&self.arenas).values().map(|a| a.pool()).collect()
     }
 
     /// Bytes the arenas' live slots count as allocated.
-    pub(crate) fn arena_allocated_bytes(&self) -> u64 {
+    pub(super) fn arena_allocated_bytes(&self) -> u64 {
         lock(&self.arenas)
             .values()
-            .map(|a| a.counted.bytes as u64)
+            .map(|a| a.counted_bytes() as u64)
             .sum()
     }
 
     /// The arenas' mapped pages as snapshot segments.
-    pub(crate) fn arena_snapshots(&self) -> Vec<SegmentSnapshot> {
+    pub(super) fn arena_snapshots(&self) -> Vec<SegmentSnapshot> {
         let ps = self.shared.page_size;
         lock(&self.arenas)
             .values()
@@ -223,21 +207,24 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Check every arena's invariants; the bytes their live slots count as allocated.
-    pub(crate) fn check_arenas(&self) -> Result<i64, String> {
+    pub(super) fn check_arenas(&self) -> Result<i64, String> {
         let ps = self.shared.page_size;
         let arenas = lock(&self.arenas);
         let pools = lock(&self.pools);
         let mut allocated = 0;
         for (id, a) in arenas.iter() {
             a.check(ps).map_err(|e| format!("arena {id}: {e}"))?;
-            if !a.pool.is_default()
+            if !a.pool().is_default()
                 && !pools
-                    .get(&a.pool)
-                    .is_some_and(|e| Arc::ptr_eq(&e.budget, &a.pool_budget))
+                    .get(&a.pool())
+                    .is_some_and(|e| Arc::ptr_eq(&e.budget, a.pool_budget()))
             {
-                return Err(format!("arena {id}: its pool {} is not registered", a.pool));
+                return Err(format!(
+                    "arena {id}: its pool {} is not registered",
+                    a.pool()
+                ));
             }
-            allocated += a.counted.bytes;
+            allocated += a.counted_bytes();
         }
         Ok(allocated)
     }
@@ -245,38 +232,20 @@ impl<D: Device> Allocator<D> {
     /// Every arena's pages, slots and live allocations, in id order, for
     /// [`Allocator::state_dump`] (debug-mode overlap reports are left out: recording one is what
     /// a refused overlapping call does).
-    pub(crate) fn arena_dump(&self) -> String {
-        use std::fmt::Write;
+    pub(super) fn arena_dump(&self) -> String {
         let arenas = lock(&self.arenas);
         let mut ids: Vec<_> = arenas.keys().copied().collect();
         ids.sort_unstable();
         let mut out = String::new();
         for id in ids {
-            let a = &arenas[&id];
-            let _ = writeln!(
-                out,
-                "arena {id} pool {} stream {} at {:#x}: end {} pages {} relocations {} {:?}",
-                a.pool,
-                a.stream,
-                a.base,
-                a.end,
-                a.pages.len(),
-                a.relocations,
-                a.stats
-            );
-            for (s, sl) in &a.slots {
-                let _ = writeln!(out, " slot {s} {:#x}+{}", a.base + sl.offset, sl.size);
-            }
-            for ((b, s), req) in a.live.iter() {
-                let _ = writeln!(out, " live branch {b} slot {s} req={req}");
-            }
+            arenas[&id].dump(id, &mut out);
         }
         out
     }
 
     /// The stream an arena was made for.
     pub fn arena_stream(&self, arena: ArenaId) -> AllocResult<StreamId> {
-        self.with_arena(arena, |a, _| Ok(a.stream))
+        self.with_arena(arena, |a, _| Ok(a.stream()))
     }
 }
 
