@@ -12,37 +12,10 @@ use crate::device::{
 /// Backend calls made so far, by kind. `map` counts pages mapped one by one (a run of n pages
 /// is n maps); a physical run (`crate::block::runs`) counts one `create_page`, one `map`, one
 /// `unmap` and one `release_page`, as the driver sees it, and an unmap of several pages in one
-/// call ([`Device::unmap_range`]) one `unmap`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct BackendCalls {
-    pub alloc_segment: u64,
-    pub free_segment: u64,
-    pub reserve: u64,
-    pub release_reservation: u64,
-    pub create_page: u64,
-    pub release_page: u64,
-    pub map: u64,
-    pub unmap: u64,
-    pub create_event: u64,
-    pub record_event: u64,
-    pub query_event: u64,
-    /// `synchronize_event` and `synchronize`.
-    pub synchronize: u64,
-}
-
-impl BackendCalls {
-    /// The counts that change memory (segments, reservations, pages, mappings), summed.
-    pub fn memory_calls(&self) -> u64 {
-        self.alloc_segment
-            + self.free_segment
-            + self.reserve
-            + self.release_reservation
-            + self.create_page
-            + self.release_page
-            + self.map
-            + self.unmap
-    }
-}
+/// call ([`Device::unmap_range`]) one `unmap`; `synchronize` counts `synchronize_event` and
+/// `synchronize`. The C ABI's `sp_backend_calls` itself (slotpool-abi), so that its fields are
+/// written once and reach C unconverted.
+pub type BackendCalls = slotpool_abi::sp_backend_calls;
 
 const KINDS: usize = 12;
 
