@@ -432,6 +432,12 @@ impl<D: Device> Allocator<D> {
                 ))));
             };
             let (first, end) = Shard::page_range(page_size, seg.addr, b.addr, b.size);
+            if pt.any_in_run(first, end) {
+                return Some(Err(AllocError::InvalidArgument(format!(
+                    "{ptr:#x} lies in a physical run (a resumed pool's memory), which is not \
+                     shared page by page"
+                ))));
+            }
             let pages: Option<Vec<PageHandle>> =
                 pt.handle.get(first..end)?.iter().copied().collect();
             Some(Ok(SharedPages {
@@ -470,5 +476,8 @@ fn shard_error(e: ShardError) -> AllocError {
             AllocError::InvalidState("a page slot must be unmapped during a capture".into())
         }
         ShardError::Paused => AllocError::InvalidState("the pool is paused".into()),
+        ShardError::InRun => {
+            AllocError::InvalidState("a page of a physical run is unmapped only whole".into())
+        }
     }
 }
