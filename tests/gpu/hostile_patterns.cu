@@ -183,7 +183,7 @@ struct Worker {
     std::vector<void*> keep;
     for (auto& l : held) keep.push_back(l.p);
     sp_restore_delta* d = nullptr;
-    st = sp_checkpoint_restore(0, pool, cp, keep.data(), keep.size(), &d);
+    st = sp_checkpoint_restore(cp, keep.data(), keep.size(), &d);
     live = rest;
     for (auto& l : held) live.push_back(l);
     if (st != SP_OK) {
