@@ -193,7 +193,10 @@ fn a_paused_pool_refuses_allocations_and_takes_frees() {
     alloc
         .begin_allocate_to_pool(pool, RouteFilter::Thread(current_thread_id()))
         .unwrap();
-    assert_eq!(alloc.alloc(64 * KIB, 0), Err(AllocError::PoolPaused(Box::new(pool))));
+    assert_eq!(
+        alloc.alloc(64 * KIB, 0),
+        Err(AllocError::PoolPaused(Box::new(pool)))
+    );
     alloc.end_allocate_to_pool(pool).unwrap();
     alloc.release_pool(pool).unwrap();
     // A free works; reserved_paused stays (the page is mapped again on resume).

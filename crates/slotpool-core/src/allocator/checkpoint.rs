@@ -81,7 +81,8 @@ impl<D: Device> Allocator<D> {
             let mut s = lock(&c.shard);
             // The checkpoint holds no cached blocks (shard invariant 9).
             s.flush_quick(&self.env(&c.pool_budget));
-            s.add_mark(&token).map_err(|e| AllocError::InvalidState(Box::new(e)))?;
+            s.add_mark(&token)
+                .map_err(|e| AllocError::InvalidState(Box::new(e)))?;
             live += s.stats.allocation.all().current as usize;
             let holder: Weak<dyn MarkHolder> = Arc::downgrade(c) as Weak<ShardCell>;
             marks.push((s.stream(), holder));
@@ -254,11 +255,9 @@ impl<D: Device> Allocator<D> {
     /// End the variant being captured; its allocations stay as they are until the next variant
     /// begins.
     pub fn end_variant(&self, group: &mut VariantGroup) -> AllocResult<()> {
-        group
-            .active
-            .take()
-            .map(|_| ())
-            .ok_or_else(|| AllocError::InvalidState(Box::new("no variant of this group is active".into())))
+        group.active.take().map(|_| ()).ok_or_else(|| {
+            AllocError::InvalidState(Box::new("no variant of this group is active".into()))
+        })
     }
 }
 

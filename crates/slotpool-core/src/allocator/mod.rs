@@ -494,9 +494,9 @@ fn shard_error(e: ShardError) -> AllocError {
         ShardError::NotVmm => AllocError::InvalidState(Box::new("not a vmm segment".into())),
         ShardError::PageNotMapped => AllocError::InvalidState(Box::new("page not mapped".into())),
         ShardError::Retired => AllocError::InvalidState(Box::new("the shard was forgotten".into())),
-        ShardError::StaleDuringCapture => {
-            AllocError::InvalidState(Box::new("a page slot must be unmapped during a capture".into()))
-        }
+        ShardError::StaleDuringCapture => AllocError::InvalidState(Box::new(
+            "a page slot must be unmapped during a capture".into(),
+        )),
         ShardError::Paused => AllocError::InvalidState(Box::new("the pool is paused".into())),
     }
 }

@@ -387,7 +387,9 @@ impl<D: Device> Allocator<D> {
             .map(|(_, b)| b)
             .sum();
         let mut pools = lock(&self.pools);
-        let entry = pools.get_mut(&pool).ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
+        let entry = pools
+            .get_mut(&pool)
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
         if entry.paused.is_some() {
             return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {pool} is paused already"
@@ -468,7 +470,9 @@ impl<D: Device> Allocator<D> {
     pub fn resume_pool(&self, pool: PoolId) -> AllocResult<u64> {
         let _reclaim = lock(&self.reclaim);
         let mut pools = lock(&self.pools);
-        let entry = pools.get_mut(&pool).ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
+        let entry = pools
+            .get_mut(&pool)
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
         if entry.paused.is_none() {
             return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {pool} is not paused"

@@ -72,7 +72,9 @@ impl<D: Device> Allocator<D> {
     /// Named pools get ids `{0, 2^63 + n}`, apart from PyTorch's.
     pub fn named_pool(&self, name: &str, options: PoolOptions) -> AllocResult<PoolId> {
         if name.is_empty() {
-            return Err(AllocError::InvalidArgument(Box::new("empty pool name".into())));
+            return Err(AllocError::InvalidArgument(Box::new(
+                "empty pool name".into(),
+            )));
         }
         let mut pools = lock(&self.pools);
         if let Some((id, e)) = pools
@@ -126,7 +128,9 @@ impl<D: Device> Allocator<D> {
     /// Change a pool's options (`setUseOnOOM`, `setNoSplit`, byte limit).
     pub fn set_pool_options(&self, id: PoolId, options: PoolOptions) -> AllocResult<()> {
         let mut pools = lock(&self.pools);
-        let e = pools.get_mut(&id).ok_or_else(|| AllocError::UnknownPool(Box::new(id)))?;
+        let e = pools
+            .get_mut(&id)
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(id)))?;
         e.budget.set_limit(options.limit.unwrap_or(u64::MAX));
         e.options = options;
         Ok(())
@@ -155,7 +159,9 @@ impl<D: Device> Allocator<D> {
             )));
         }
         let mut pools = lock(&self.pools);
-        let e = pools.get_mut(&id).ok_or_else(|| AllocError::UnknownPool(Box::new(id)))?;
+        let e = pools
+            .get_mut(&id)
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(id)))?;
         if e.use_count == 0 {
             return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {id} was already released"
@@ -281,10 +287,9 @@ impl<D: Device> Allocator<D> {
     /// Stop routing to `pool` (no change to its use count).
     pub fn end_allocate_to_pool(&self, pool: PoolId) -> AllocResult<()> {
         let mut routes = lock(&self.routes);
-        let i = routes
-            .iter()
-            .rposition(|r| r.pool == pool)
-            .ok_or_else(|| AllocError::InvalidState(Box::new(format!("no route to pool {pool}"))))?;
+        let i = routes.iter().rposition(|r| r.pool == pool).ok_or_else(|| {
+            AllocError::InvalidState(Box::new(format!("no route to pool {pool}")))
+        })?;
         let r = routes.remove(i);
         if matches!(r.filter, RouteFilter::Capture(_)) {
             self.captures_active.fetch_sub(1, Ordering::AcqRel);

@@ -34,7 +34,9 @@ impl<D: Device> Allocator<D> {
     /// retired (see [`Allocator::drop_empty_shards`]).
     fn shard_for_slow(&self, pool: PoolId, stream: StreamId) -> AllocResult<ShardRef> {
         let pools = lock(&self.pools);
-        let entry = pools.get(&pool).ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
+        let entry = pools
+            .get(&pool)
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
         let mut shards = lock(&self.shards);
         if let Some(cell) = shards.get(&(pool, stream)) {
             return Ok(cell.clone());
