@@ -26,7 +26,8 @@
  *    pointer, a random address, one already freed, a pointer into the middle of an allocation)
  *    -> SP_ERR_UNKNOWN_POINTER.
  *  - Initialisation: the first call other than sp_version, sp_has_feature, sp_status_name,
- *    sp_last_error_message, sp_string_free, sp_is_initialized and sp_init initialises the library
+ *    sp_last_error_message, sp_string_free, sp_is_initialized, sp_config_get_f64,
+ *    sp_config_get_str and sp_init initialises the library
  *    from the environment (SLOTPOOL_BACKEND, SLOTPOOL_CONF) if sp_init was not called; if that
  *    fails the call returns SP_ERR_NOT_INITIALIZED with the reason.
  *  - After sp_shutdown, every call that touches allocator state returns SP_ERR_SHUTDOWN.
@@ -208,22 +209,10 @@ const char* sp_status_name(int status);
  *  environment. Must come before any other call that initialises.
  *  backend: "cuda", "sim" or "auto" (CUDA if device 0 can be opened, else the simulated
  *           device); NULL = $SLOTPOOL_BACKEND, else "auto".
- *  conf:    "key:value,..." applied over $SLOTPOOL_CONF (conf wins), both over the core's
- *           defaults (slotpool-core's Config::default()); NULL = "". Keys: growth (vmm|classic),
- *           expandable_segments, max_split_size_mb, max_non_split_rounding_mb,
- *           large_segment_size_mb, roundup_power2_divisions, memory_limit_mb,
- *           per_process_memory_fraction, vmm_reservation_mb, vmm_slack_percent (idle mapped
- *           memory kept, in percent of live bytes; 0: physical memory follows live bytes),
- *           vmm_slack_base_mb (idle memory kept on top of the percentage, default 64),
- *           vmm_page_mb (vmm page size, a multiple of the device's),
- *           garbage_collection_threshold (0..1, PyTorch's: with a limit set, growth first
- *           releases old free classic segments while more than this share is held); for the
- *           sim backend also
- *           sim_memory_mb (per device, default 81920), sim_devices (1..64, default 1),
- *           sim_auto_complete (0|1, default 1: streams complete at once) and sim_bytes (0|1,
- *           default 0: accounts only; 1: device memory holds host-backed bytes, allocated per
- *           64 KiB on first write, which sp_sim_write and friends access). sim_* keys are
- *           ignored by the cuda backend.
+ *  conf:    "key:value,..." applied over $SLOTPOOL_CONF (conf wins), both over the program
+ *           defaults; NULL = "". Every key, its default and its meaning: docs/configuration.md
+ *           (the sim_* keys configure the sim backend and are ignored by the cuda backend).
+ *           sp_config_get_str / sp_config_get_f64 read the configuration in effect back.
  *  Errors: SP_ERR_CONFIG (unknown key, named in the message; bad value), SP_ERR_INVALID_ARGUMENT
  *  (unknown backend), SP_ERR_BACKEND_UNAVAILABLE ("cuda" without a driver or device),
  *  SP_ERR_DEVICE, SP_ERR_INVALID_STATE (already initialised), SP_ERR_SHUTDOWN. On error nothing
@@ -459,18 +448,21 @@ sp_status sp_checkpoint_take(int device, sp_pool_id id, sp_checkpoint** out);
 /** Frees a checkpoint (NULL: SP_OK). Journaling for it stops. */
 sp_status sp_checkpoint_free(sp_checkpoint* cp);
 
-/** Returns pool id to checkpoint cp while keep_live[0..n_keep] stay live at their addresses;
- *  costs what changed since the checkpoint. Allocations made since are freed (they must not be
+/** Returns the pool cp was taken of, on the device it was taken on (both from the checkpoint,
+ *  see sp_checkpoint_info), to checkpoint cp while keep_live[0..n_keep] stay live at their
+ *  addresses; costs what changed since the checkpoint. Allocations made since are freed (they must not be
  *  freed again) and allocations of the checkpoint freed since are re-created (the caller owns
  *  them); *delta_out (may be NULL) lists both. A transaction: on SP_ERR_INVALID_STATE (a
  *  keep_live pointer the checkpoint lacks, a stale checkpoint, pending cross-stream frees)
  *  nothing changed and the message names the blocks added and removed with their sizes. Also
- *  SP_ERR_INVALID_ARGUMENT (checkpoint of another pool or device; keep_live NULL with
- *  n_keep > 0, or n_keep above the device's memory / 512, the most allocations it could hold),
- *  SP_ERR_OUT_OF_MEMORY. */
-sp_status sp_checkpoint_restore(int device, sp_pool_id id, const sp_checkpoint* cp,
-                                void* const* keep_live, size_t n_keep,
+ *  SP_ERR_INVALID_ARGUMENT (cp not a live checkpoint handle; keep_live NULL with n_keep > 0, or
+ *  n_keep above the device's memory / 512, the most allocations it could hold),
+ *  SP_ERR_UNKNOWN_POOL (the pool is gone), SP_ERR_POOL_PAUSED, SP_ERR_OUT_OF_MEMORY. */
+sp_status sp_checkpoint_restore(const sp_checkpoint* cp, void* const* keep_live, size_t n_keep,
                                 sp_restore_delta** delta_out);
+/** Writes the device and pool a checkpoint was taken of (either out may be NULL).
+ *  Errors: SP_ERR_INVALID_ARGUMENT (cp not a live checkpoint handle; nothing written). */
+sp_status sp_checkpoint_info(const sp_checkpoint* cp, int* device, sp_pool_id* pool);
 
 /** Number of allocations a restore freed (0 for an invalid handle, with the reason in
  *  sp_last_error_message). */
@@ -481,6 +473,13 @@ size_t sp_delta_created_count(const sp_restore_delta* d);
 sp_status sp_delta_freed(const sp_restore_delta* d, size_t i, void** ptr, size_t* size);
 /** Entry i of the re-created allocations. Errors: as sp_delta_freed. */
 sp_status sp_delta_created(const sp_restore_delta* d, size_t i, void** ptr, size_t* size);
+/** Writes the first min(cap, total) entries of d's freed list (created 0) or re-created list
+ *  (created non-zero): pointers to ptrs (may be NULL when cap is 0), sizes to sizes (may be
+ *  NULL), the list's length to *total; SP_OK also when *total > cap. The bulk form of
+ *  sp_delta_freed / sp_delta_created. Errors: SP_ERR_INVALID_ARGUMENT (handle, total NULL, ptrs
+ *  NULL with cap > 0). */
+sp_status sp_delta_entries(const sp_restore_delta* d, int created, void** ptrs, size_t* sizes,
+                           size_t cap, size_t* total);
 /** Frees a delta (NULL: SP_OK). */
 sp_status sp_delta_free(sp_restore_delta* d);
 
@@ -607,6 +606,87 @@ sp_status sp_clear_history(int device);
  *  one. O(blocks); meant for tests, and only meaningful while no other thread uses the device
  *  (it visits the state piece by piece). */
 sp_status sp_check_invariants(int device);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Reading state: live allocations, pool options, configuration, snapshots as data            */
+
+/** One live allocation (sp_pool_live_allocations). */
+typedef struct sp_allocation {
+    void* ptr;
+    uint64_t size;            /* the block's (rounded) size */
+    uint64_t requested_size;  /* the size asked for */
+    uint64_t stream;
+} sp_allocation;
+
+/** Writes pool id's live allocations on device, lowest address first: the first
+ *  min(cap, total) to out (out may be NULL when cap is 0) and the total to *total.
+ *  SP_OK also when *total > cap: call again with room for *total.
+ *  Errors: SP_ERR_UNKNOWN_POOL; SP_ERR_INVALID_ARGUMENT (total NULL, out NULL with cap > 0). */
+sp_status sp_pool_live_allocations(int device, sp_pool_id id, sp_allocation* out, size_t cap,
+                                   size_t* total);
+
+/** Writes the options pool id has now (as sp_pool_set_options / creation set them).
+ *  Errors: SP_ERR_UNKNOWN_POOL. */
+sp_status sp_pool_options_get(int device, sp_pool_id id, sp_pool_options* out);
+
+/** The value in effect of a configuration key, spelt as in sp_init's conf string
+ *  ("garbage_collection_threshold", "max_split_size_mb", "growth", "vmm_page_mb", ...):
+ *  sp_config_get_f64 for numeric and boolean keys (booleans 0/1, in the key's own units;
+ *  an unset key with no limit reads 0); SP_ERR_CONFIG for an unknown key or one whose value
+ *  is not a number. sp_config_get_str for any key, as text in the conf syntax; the key "conf"
+ *  gives the whole effective configuration string ("growth:vmm,...,vmm_page_mb:4"). Writes at
+ *  most cap bytes to buf, NUL included (buf may be NULL when cap is 0), and the full length
+ *  without the NUL to *len (may be NULL); SP_OK also when truncated; an unset key reads "".
+ *  Neither initialises the library: before initialisation they read what lazy initialisation
+ *  would use (the defaults under $SLOTPOOL_CONF). Errors also: SP_ERR_INVALID_ARGUMENT (key or
+ *  out NULL, buf NULL with cap > 0); nothing is written on an error. Keys and defaults:
+ *  docs/configuration.md. */
+sp_status sp_config_get_f64(const char* key, double* out);
+sp_status sp_config_get_str(const char* key, char* buf, size_t cap, size_t* len);
+
+/* ---- Snapshots as data (sp_snapshot_json stays, for Python and memory_viz) ---- */
+
+/** A snapshot of segments, blocks and (optionally) recorded history. Opaque handle with the
+ *  same rules as checkpoints (kind-tagged, generational; wrong/freed handle ->
+ *  SP_ERR_INVALID_ARGUMENT, _count functions return 0). */
+typedef struct sp_snapshot sp_snapshot;
+
+typedef enum sp_block_state {
+    SP_BLOCK_INACTIVE = 0,            /* free */
+    SP_BLOCK_ACTIVE_ALLOCATED = 1,    /* live */
+    SP_BLOCK_ACTIVE_PENDING_FREE = 2  /* freed, waiting for other streams' work */
+} sp_block_state;
+
+typedef struct sp_segment_view {
+    int device;
+    int is_large;        /* segment_type "large" (0: "small") */
+    int is_expandable;   /* vmm segment */
+    int reserved0;       /* 0 */
+    uint64_t address;
+    uint64_t total_size;
+    uint64_t stream;
+    sp_pool_id pool;     /* segment_pool_id */
+    size_t block_count;
+} sp_segment_view;
+
+typedef struct sp_block_view {
+    uint64_t address;    /* absolute; a vmm segment's blocks may leave gaps (unmapped pages) */
+    uint64_t size;
+    uint64_t requested_size;
+    sp_block_state state;
+} sp_block_view;
+
+/** Takes a snapshot of device (-1: every device in use); with_traces non-zero also copies the
+ *  recorded history (sp_record_history). Segments come in the order sp_snapshot_json lists them. */
+sp_status sp_snapshot_take(int device, int with_traces, sp_snapshot** out);
+sp_status sp_snapshot_free(sp_snapshot* s);  /* NULL: SP_OK */
+size_t sp_snapshot_segment_count(const sp_snapshot* s);
+sp_status sp_snapshot_segment(const sp_snapshot* s, size_t i, sp_segment_view* out);
+sp_status sp_snapshot_block(const sp_snapshot* s, size_t segment, size_t j, sp_block_view* out);
+/** Recorded events, by device ascending, oldest first within a device (sp_trace_event.device
+ *  says which). */
+size_t sp_snapshot_trace_count(const sp_snapshot* s);
+sp_status sp_snapshot_trace(const sp_snapshot* s, size_t i, sp_trace_event* out);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Bytes of simulated device memory (for tests)                                               */

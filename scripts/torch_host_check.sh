@@ -4,7 +4,11 @@
 # GPU is needed. Compiles the shim against torch 2.11's headers and links it to torch's c10
 # libraries and to libslotpool.so.
 #
-#   ./scripts/torch_host_check.sh
+#   ./scripts/torch_host_check.sh                 compile, link and run the checks
+#   ./scripts/torch_host_check.sh --syntax-only   compile every torch_plugin/csrc/*.cpp (the Python
+#                                                 bindings too), the checks and the GPU bench's
+#                                                 C++ (benches/gpu/ckpt_state_set.cpp), warnings
+#                                                 as errors; needs neither libslotpool.so nor Rust
 #
 # Where torch 2.11 is installed (the GPU machine), its headers and libraries are used, with the
 # CUDA toolkit's (CUDA_HOME, default /usr/local/cuda). Elsewhere the torch wheel and the CUDA
@@ -13,6 +17,12 @@
 # SLOTPOOL_LIB: a built libslotpool.so to use (default: cargo build --release -p slotpool-capi).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SYNTAX_ONLY=0
+case ${1:-} in
+  --syntax-only) SYNTAX_ONLY=1 ;;
+  "") ;;
+  *) echo "torch_host_check.sh: unknown argument $1 (--syntax-only or none)" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 if "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.11") else 1)' 2>/dev/null; then
   TORCH=$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
@@ -43,13 +53,29 @@ else
   CUDA_LIB=$CACHE/root/nvidia/cu13/lib
   CUDART=-l:libcudart.so.13
 fi
+PYINC=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+# The shim's sources as the extension builds them (slotpool_torch._loader, which needs no torch).
+sources() { # allocator | all
+  "$PY" -c 'import sys; sys.path.insert(0, "torch_plugin"); from slotpool_torch import _loader as l
+print(" ".join("torch_plugin/csrc/" + s for s in (l.ALLOCATOR_SOURCES if sys.argv[1] == "allocator" else l.SOURCES)))' "$1"
+}
+if [ "$SYNTAX_ONLY" = 1 ]; then
+  # torch's, CUDA's and Python's headers as system headers: the warnings are the shim's own.
+  for f in $(sources all) torch_plugin/tests/host_check.cpp benches/gpu/ckpt_state_set.cpp; do
+    echo "syntax: $f"
+    g++ -std=c++17 -fsyntax-only -Wall -Wextra -Werror -D_GLIBCXX_USE_CXX11_ABI=1 -I include \
+      -I torch_plugin/csrc -isystem "$T" -isystem "$T/torch/csrc/api/include" -isystem "$CUDA_INC" \
+      -isystem "$PYINC" -DTORCH_EXTENSION_NAME=slotpool_torch_C "$f"
+  done
+  echo "torch_host_check: syntax only: all compiled"
+  exit 0
+fi
 if [ -n "${SLOTPOOL_LIB:-}" ]; then
   SPLIB=$(cd "$(dirname "$SLOTPOOL_LIB")" && pwd)
 else
   cargo build --release -p slotpool-capi
   SPLIB=$PWD/target/release
 fi
-PYINC=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 PYLIB=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
 PYVER=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('LDVERSION'))")
 OUT=${TORCH_HOST_OUT:-target/torch-host}
@@ -58,7 +84,7 @@ mkdir -p "$OUT/lib"
 [ -e "$SPLIB/libslotpool.so.0" ] || ln -sf "$SPLIB/libslotpool.so" "$OUT/lib/libslotpool.so.0"
 g++ -std=c++17 -O1 -g -D_GLIBCXX_USE_CXX11_ABI=1 -I include -I "$T" -I "$T/torch/csrc/api/include" \
   -I "$CUDA_INC" -I "$PYINC" \
-  torch_plugin/csrc/slotpool_allocator.cpp torch_plugin/tests/host_check.cpp \
+  $(sources allocator) torch_plugin/tests/host_check.cpp \
   -o "$OUT/host_check" \
   -L "$SPLIB" -lslotpool -L "$TLIB" -lc10 -lc10_cuda -L "$CUDA_LIB" "$CUDART" \
   -L "$PYLIB" "-lpython$PYVER" \

@@ -21,7 +21,7 @@ from setuptools import setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from slotpool_torch._loader import LIB_NAMES, toolkit_problem  # noqa: E402 (needs no torch)
+from slotpool_torch._loader import LIB_NAMES, SOURCES, toolkit_problem  # noqa: E402 (needs no torch)
 from slotpool_torch._torch import TorchMissing, require_torch  # noqa: E402
 
 
@@ -83,7 +83,7 @@ setup(
     ext_modules=[
         cpp_extension.CUDAExtension(
             name="slotpool_torch._C",
-            sources=["csrc/slotpool_allocator.cpp", "csrc/module.cpp"],
+            sources=[f"csrc/{s}" for s in SOURCES],
             include_dirs=[_include(), os.path.join(HERE, "csrc")],
             # By path: any of LIB_NAMES links; the extension records the SONAME either way.
             extra_objects=[LIB],

@@ -12,7 +12,8 @@
 # (default: .gpu in the repository).
 #
 # Steps (default: all): probe suite preload torch_uncached alloc_bench variants torch_host torch
-# On demand: hostile (hostile-use pattern run: tests/gpu/hostile_patterns.cu), baselines (PyTorch's own figures: ckpt_probe, graph_variants, seed_shared_pools,
+# On demand: hostile (hostile-use pattern run: tests/gpu/hostile_patterns.cu), ckpt_state
+# (setCheckpointPoolState under slotpool_torch and PyTorch's allocator: benches/gpu/ckpt_state_bench.py), baselines (PyTorch's own figures: ckpt_probe, graph_variants, seed_shared_pools,
 # trace_workloads under three allocator settings), record_traces (the three workload traces),
 # record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
 # (growth cost per chunk size), host_sim (the criterion host-cost bench on this host), host_restore
@@ -337,6 +338,14 @@ if has oom_probe; then
   SEGV_BT=$BUILD/segv_backtrace.so SLOTPOOL_TORCH_DEBUG=1 SLOTPOOL_TORCH_BUILD_DIR=/tmp/slotpool-torch-ext-debug \
     run oom_probe 500 python3 benches/gpu/oom_probe.py
   grep '^{' "$OUT/oom_probe.log" | sed 's/^{/{"step": "oom_probe", /' >>"$RES"
+fi
+
+if has ckpt_state; then
+  # CUDA graph trees' restore path: setCheckpointPoolState on a private pool of 100 / 1,000 /
+  # 10,000 live blocks, half changed, under slotpool_torch and under PyTorch's allocator.
+  SLOTPOOL_TORCH_BUILD_DIR=${SLOTPOOL_TORCH_BUILD_DIR:-/tmp/slotpool-torch-ext} \
+    run ckpt_state 600 python3 benches/gpu/ckpt_state_bench.py --out "$OUT"
+  grep '^{' "$OUT/ckpt_state.log" | sed 's/^{/{"step": "ckpt_state", /' >>"$RES"
 fi
 
 if has torch_host; then

@@ -25,6 +25,9 @@ for r in res:
         row(f"runtime_calls/{r['call']}", f"{r['ns']} ns")
     elif r.get("step") == "torch" and "scenario" in r:
         row(f"torch/{r['scenario']}", "ok" if r.get("ok") else "FAIL", json.dumps({k: v for k, v in r.items() if k not in ('step', 'scenario', 'ok')})[:90])
+    elif r.get("step") == "ckpt_state" and "live_blocks" in r:
+        row(f"ckpt_state/{r['alloc']}/{r['live_blocks']}", f"{r['set_us']} us/set",
+            f"switch {r['switch_us']} us, get {r['get_us']} us, live check {r['live_check']}")
     elif "rc" in r and r.get("rc") != 0:
         row(r["step"], f"rc={r['rc']}")
 

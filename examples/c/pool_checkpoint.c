@@ -40,7 +40,7 @@ int main(void) {
 
     sp_restore_delta* delta = NULL;
     void* keep[1] = {weights};
-    CHECK(sp_checkpoint_restore(dev, pool, cp, keep, 1, &delta));
+    CHECK(sp_checkpoint_restore(cp, keep, 1, &delta));
     printf("restore freed %zu allocation(s) and re-created %zu\n", sp_delta_freed_count(delta),
            sp_delta_created_count(delta));
     void* again = NULL;

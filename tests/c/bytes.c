@@ -149,7 +149,7 @@ static void pools_and_restores(void) {
     for (int i = 0; i < 6; i++) alloc_on(pool, 1, random_size(), 0);
     verify_all("allocations after a checkpoint");
     sp_restore_delta* d = NULL;
-    OK(sp_checkpoint_restore(0, pool, cp, &kept, 1, &d));
+    OK(sp_checkpoint_restore(cp, &kept, 1, &d));
     for (size_t i = 0; i < sp_delta_freed_count(d); i++) {
         void* p = NULL;
         size_t size = 0;
@@ -170,7 +170,7 @@ static void pools_and_restores(void) {
     verify_all("sp_pool_empty_cache");
     /* A refused restore (a keep-live pointer the checkpoint lacks) changes no bytes either. */
     void* extra = alloc_on(pool, 1, 1 << 20, 0);
-    EXPECT(sp_checkpoint_restore(0, pool, cp, &extra, 1, NULL), SP_ERR_INVALID_STATE);
+    EXPECT(sp_checkpoint_restore(cp, &extra, 1, NULL), SP_ERR_INVALID_STATE);
     verify_all("a refused restore");
     OK(sp_checkpoint_free(cp));
 }

@@ -48,6 +48,14 @@ _Static_assert(offsetof(sp_memory_stats, num_device_free) == 896, "num_device_fr
 _Static_assert(offsetof(sp_memory_stats, oversize_allocations) == 904, "oversize_allocations");
 _Static_assert(offsetof(sp_memory_stats, oversize_segments) == 936, "oversize_segments");
 _Static_assert(offsetof(sp_memory_stats, max_split_size) == 968, "max_split_size");
+_Static_assert(sizeof(sp_allocation) == 32, "sp_allocation");
+_Static_assert(offsetof(sp_allocation, stream) == 24, "sp_allocation.stream");
+_Static_assert(sizeof(sp_block_state) == sizeof(int), "sp_block_state is an int");
+_Static_assert(sizeof(sp_segment_view) == 64, "sp_segment_view");
+_Static_assert(offsetof(sp_segment_view, pool) == 40, "sp_segment_view.pool");
+_Static_assert(offsetof(sp_segment_view, block_count) == 56, "sp_segment_view.block_count");
+_Static_assert(sizeof(sp_block_view) == 32, "sp_block_view");
+_Static_assert(offsetof(sp_block_view, state) == 24, "sp_block_view.state");
 
 static int failures = 0;
 static int checks = 0;
@@ -110,6 +118,19 @@ static void initialisation(void) {
     }
     OK(sp_is_initialized(&init));
     CHECK(init == 0);
+    /* The configuration readers never initialise: before sp_init they read what lazy
+     * initialisation would use. */
+    {
+        char conf[512];
+        size_t len = 0;
+        double v = -1;
+        OK(sp_config_get_str("conf", conf, sizeof conf, &len));
+        CHECK(len == strlen(conf) && strstr(conf, "growth:") == conf);
+        OK(sp_config_get_f64("sim_devices", &v));
+        CHECK(v == 2);
+        OK(sp_is_initialized(&init));
+        CHECK(init == 0);
+    }
     /* The first call initialises from SLOTPOOL_BACKEND / SLOTPOOL_CONF. */
     int count = 0;
     OK(sp_device_count(&count));
@@ -204,6 +225,32 @@ static void pools_and_routes(void) {
     opts.no_split = 1;
     opts.limit_bytes = 256 * MiB;
     OK(sp_pool_set_options(0, pool, &opts));
+    sp_pool_options got = {9, 9, 9, 9};
+    OK(sp_pool_options_get(0, pool, &got));
+    CHECK(got.no_split == 1 && got.use_on_oom == 1 && got.limit_bytes == 256 * MiB && got.pausable == 0);
+    sp_pool_id unknown = {0, 4242};
+    EXPECT(sp_pool_options_get(0, unknown, &got), SP_ERR_UNKNOWN_POOL);
+    EXPECT(sp_pool_options_get(0, pool, NULL), SP_ERR_INVALID_ARGUMENT);
+    /* Live allocations: ask for the total, then read them, lowest address first. */
+    {
+        void *x = NULL, *y = NULL;
+        OK(sp_pool_alloc(0, pool, 1000, 7, &x));
+        OK(sp_pool_alloc(0, pool, 5000, 7, &y));
+        size_t total = 0;
+        OK(sp_pool_live_allocations(0, pool, NULL, 0, &total));
+        CHECK(total == 2);
+        sp_allocation live[2];
+        OK(sp_pool_live_allocations(0, pool, live, 2, &total));
+        void* low = x < y ? x : y;
+        CHECK(live[0].ptr == low && live[0].ptr < live[1].ptr && live[0].stream == 7);
+        CHECK(live[0].requested_size == (low == x ? 1000u : 5000u));
+        CHECK(live[0].size >= live[0].requested_size);
+        EXPECT(sp_pool_live_allocations(0, pool, NULL, 1, &total), SP_ERR_INVALID_ARGUMENT);
+        EXPECT(sp_pool_live_allocations(0, pool, live, 2, NULL), SP_ERR_INVALID_ARGUMENT);
+        EXPECT(sp_pool_live_allocations(0, unknown, NULL, 0, &total), SP_ERR_UNKNOWN_POOL);
+        OK(sp_free(x));
+        OK(sp_free(y));
+    }
     OK(sp_pool_empty_cache(0, pool));
 
     sp_pool_id named = {0, 0}, again = {0, 0};
@@ -283,6 +330,35 @@ static void statistics_and_snapshot(void) {
     OK(sp_string_free(json));
     OK(sp_string_free(NULL));
 
+    /* The same snapshot as data: the segment holding p, and p's block in it. */
+    sp_snapshot* snap = NULL;
+    OK(sp_snapshot_take(0, 0, &snap));
+    size_t n = sp_snapshot_segment_count(snap), found = 0;
+    CHECK(n >= 1);
+    for (size_t i = 0; i < n; i++) {
+        sp_segment_view seg;
+        OK(sp_snapshot_segment(snap, i, &seg));
+        CHECK(seg.device == 0 && seg.reserved0 == 0 && seg.block_count >= 1);
+        for (size_t j = 0; j < seg.block_count; j++) {
+            sp_block_view b;
+            OK(sp_snapshot_block(snap, i, j, &b));
+            if (b.address == (uint64_t)(uintptr_t)p) {
+                found++;
+                CHECK(b.state == SP_BLOCK_ACTIVE_ALLOCATED && b.requested_size == 1000);
+                CHECK(seg.is_large == 0 && seg.address <= b.address);
+            }
+        }
+    }
+    CHECK(found == 1);
+    sp_segment_view none;
+    EXPECT(sp_snapshot_segment(snap, n, &none), SP_ERR_INVALID_ARGUMENT);
+    CHECK(sp_snapshot_trace_count(snap) == 0);
+    OK(sp_snapshot_free(snap));
+    CHECK(sp_snapshot_segment_count(snap) == 0);
+    MESSAGE_HAS("freed");
+    EXPECT(sp_snapshot_free(snap), SP_ERR_INVALID_ARGUMENT);
+    OK(sp_snapshot_free(NULL));
+
     OK(sp_free(p));
     OK(sp_memory_stats_get(0, &st));
     CHECK(st.allocated_bytes.all.current == 0);
@@ -360,13 +436,18 @@ static void checkpoints_and_variants(void) {
     sp_checkpoint* cp = NULL;
     OK(sp_checkpoint_take(0, pool, &cp));
     CHECK(cp != NULL);
+    int cp_device = -1;
+    sp_pool_id cp_pool = {0, 0};
+    OK(sp_checkpoint_info(cp, &cp_device, &cp_pool));
+    CHECK(cp_device == 0 && cp_pool.a == pool.a && cp_pool.b == pool.b);
+    OK(sp_checkpoint_info(cp, NULL, NULL));
     OK(sp_free(a));
     OK(sp_pool_alloc(0, pool, 6 * MiB, 0, &b));
     void* keep[1] = {b};
-    EXPECT(sp_checkpoint_restore(0, pool, cp, keep, 1, NULL), SP_ERR_INVALID_STATE);
+    EXPECT(sp_checkpoint_restore(cp, keep, 1, NULL), SP_ERR_INVALID_STATE);
     MESSAGE_HAS("must stay live");
     sp_restore_delta* d = NULL;
-    OK(sp_checkpoint_restore(0, pool, cp, NULL, 0, &d));
+    OK(sp_checkpoint_restore(cp, NULL, 0, &d));
     CHECK(sp_delta_freed_count(d) == 1 && sp_delta_created_count(d) == 1);
     void* p = NULL;
     size_t size = 0;

@@ -139,7 +139,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "pool_named",
       [](int device, const std::string& name, bool no_split, bool use_on_oom,
          uint64_t limit_bytes, bool pausable) {
-        auto& a = alloc();
+        alloc();
         sp_pool_options o{};
         o.no_split = no_split ? 1 : 0;
         o.use_on_oom = use_on_oom ? 1 : 0;
@@ -147,14 +147,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         o.pausable = pausable ? 1 : 0;
         sp_pool_id id{};
         sp::check(sp_pool_named(device, name.c_str(), &o, &id), "sp_pool_named");
-        {
-          std::lock_guard<std::mutex> lk(a.pool_options_mutex());
-          sp_pool_options& known = a.pool_options_locked(device, id);
-          if (known.no_split == 0 && known.use_on_oom == 0 && known.limit_bytes == 0 &&
-              known.pausable == 0) {
-            known = o;  // the options it was created with (or asked for)
-          }
-        }
         return Pool{id.a, id.b};
       },
       py::arg("device"), py::arg("name"), py::arg("no_split") = false,
@@ -185,16 +177,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "pool_set_options",
       [](int device, const Pool& pool, bool no_split, bool use_on_oom, uint64_t limit_bytes) {
-        auto& a = alloc();
-        std::lock_guard<std::mutex> lk(a.pool_options_mutex());
-        sp_pool_options& o = a.pool_options_locked(device, pool_of(pool));
-        sp_pool_options next{};
-        next.no_split = no_split ? 1 : 0;
-        next.use_on_oom = use_on_oom ? 1 : 0;
-        next.limit_bytes = limit_bytes;
-        next.pausable = o.pausable;  // fixed when the pool is created
-        sp::check(sp_pool_set_options(device, pool_of(pool), &next), "sp_pool_set_options");
-        o = next;
+        // pausable stays as the pool has it (fixed when the pool is created).
+        sp::check(alloc().update_pool_options(device, pool_of(pool),
+                                              [&](sp_pool_options& o) {
+                                                o.no_split = no_split ? 1 : 0;
+                                                o.use_on_oom = use_on_oom ? 1 : 0;
+                                                o.limit_bytes = limit_bytes;
+                                              }),
+                  "sp_pool_set_options");
       },
       py::arg("device"), py::arg("pool"), py::arg("no_split") = false,
       py::arg("use_on_oom") = false, py::arg("limit_bytes") = 0);
@@ -258,8 +248,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("pool_live", [](int device, const Pool& pool) {
     py::list out;
-    for (void* p : alloc().pool_live_allocations(device, pool_of(pool))) {
-      out.append(reinterpret_cast<uintptr_t>(p));
+    for (const sp_allocation& a : alloc().pool_live_allocations(device, pool_of(pool))) {
+      out.append(reinterpret_cast<uintptr_t>(a.ptr));
     }
     return out;
   });

@@ -1,9 +1,24 @@
 // slotpool beneath PyTorch: a c10 CUDAAllocator that forwards every call to slotpool's C ABI
-// (include/slotpool.h, the only interface this shim uses).
+// (include/slotpool.h, the only interface this shim uses). The shim keeps no copy of slotpool's
+// state: pool options, configuration values, live allocations and snapshots are read back through
+// the ABI's typed readers when they are needed.
 //
 // Built against PyTorch 2.11's exact virtual interface (c10/cuda/CUDACachingAllocator.h). The
 // vtable changes between PyTorch versions, so the extension records the torch version it was
 // built for and the Python package refuses to load it under any other.
+//
+// One concern per file (the class is declared here, its methods live where their concern does):
+//   allocator.cpp    errors, the allocation path (allocate, raw_*, free), out-of-memory errors
+//                    and their observers, caching, limits, statistics, peers, installation
+//   conf.cpp         PyTorch's allocator settings, sp_init, configuration values read back
+//   routes.cpp       beginAllocateToPool / endAllocateToPool, variant routes
+//   pools.cpp        pool lifetime and options, live allocations, checkPoolLiveAllocations
+//   orphans.cpp      stale owners after slotpool's own restores
+//   checkpoints.cpp  getCheckpointState / setCheckpointPoolState, restores, variant groups
+//   history.cpp      recordHistory, stacks, trace trackers
+//   snapshot.cpp     snapshot() for memory_viz, getExpandableSegmentSizes
+//   ipc.cpp          CUDA IPC handles
+//   module.cpp       the Python bindings
 //
 // Design decisions (see docs/torch.md for the user-facing version):
 //
@@ -27,7 +42,11 @@
 //    live before the restore, dataptrs_allocd = every allocation live in the checkpoint, as owning
 //    DataPtrs with our deleter. slotpool itself leaves allocations that are live in both untouched;
 //    the shim reports them in both lists, as PyTorch's allocator does ("a pointer may appear in
-//    both"), so that CUDA graph trees' deleter bookkeeping works unchanged.
+//    both"), so that CUDA graph trees' deleter bookkeeping works unchanged. The restore's own delta
+//    and the checkpoint's live allocations give both lists; the latter are read once, when the
+//    checkpoint is taken (sp_pool_live_allocations), as they are what every restore of it returns
+//    the pool to. So a restore takes no snapshot and walks no pool: it costs what changed since
+//    the checkpoint, plus one pass over the checkpoint's live allocations to hand them back.
 //
 //  * Stale owners after slotpool's own restores (slotpool_torch.restore, variant groups). A restore
 //    frees allocations that tensors may still reference. Their pointers are remembered as
@@ -63,10 +82,6 @@
 
 namespace slotpool_torch {
 
-namespace json {
-struct Value;
-}
-
 namespace CCA = c10::cuda::CUDACachingAllocator;
 using c10::MempoolId_t;
 
@@ -87,6 +102,11 @@ std::string last_error();
 std::string describe(sp_status st);
 // Throws c10::Error (TORCH_CHECK) for a failed status; `what` names the call.
 void check(sp_status st, const char* what);
+
+// The value in effect of a configuration key (sp_config_get_f64 / sp_config_get_str; "conf": the
+// whole configuration string). Throws c10::Error when slotpool refuses the key.
+double config_number(const char* key);
+std::string config_string(const char* key);
 
 // PyTorch's allocator settings string (PYTORCH_ALLOC_CONF's syntax) as slotpool configuration:
 // the keys that slotpool applies the same way (max_split_size_mb, max_non_split_rounding_mb,
@@ -110,8 +130,8 @@ struct RestoreResult {
 
 // getCheckpointState's AllocatorState: owns one sp_checkpoint.
 struct CheckpointState : public CCA::AllocatorState {
-  CheckpointState(int device, sp_pool_id pool, sp_checkpoint* cp)
-      : device(device), pool(pool), cp(cp) {}
+  CheckpointState(int device, sp_pool_id pool, sp_checkpoint* cp, std::vector<void*> live)
+      : device(device), pool(pool), cp(cp), live(std::move(live)) {}
   ~CheckpointState() override;
   CheckpointState(const CheckpointState&) = delete;
   CheckpointState& operator=(const CheckpointState&) = delete;
@@ -119,6 +139,9 @@ struct CheckpointState : public CCA::AllocatorState {
   int device;
   sp_pool_id pool;
   sp_checkpoint* cp;
+  // The pool's live allocations when the checkpoint was taken, lowest address first: what a
+  // restore of it (with no keep set) leaves live, fixed for the checkpoint's life.
+  std::vector<void*> live;
 };
 
 // A variant group of slotpool (sp_variant_group_*), owned.
@@ -233,11 +256,13 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   // The variant block's thread route (see DeviceRoutes::variant).
   void begin_variant_route(int device, MempoolId_t pool);
   void end_variant_route(int device);
-  // Options the shim last set on a pool (slotpool has no getter; sp_pool_set_options replaces all).
-  sp_pool_options& pool_options_locked(int device, sp_pool_id pool);
-  std::mutex& pool_options_mutex() { return options_mu_; }
-  // The allocated blocks of pool on device, from slotpool's snapshot.
-  std::vector<void*> pool_live_allocations(int device, sp_pool_id pool);
+  // Reads pool's options (sp_pool_options_get), lets `change` edit them and sets them
+  // (sp_pool_set_options); one such update at a time, so that none is lost. Returns the first
+  // failed status (the message in sp_last_error_message), or SP_OK.
+  sp_status update_pool_options(int device, sp_pool_id pool,
+                                const std::function<void(sp_pool_options&)>& change);
+  // The live allocations of pool on device, lowest address first (sp_pool_live_allocations).
+  std::vector<sp_allocation> pool_live_allocations(int device, sp_pool_id pool);
   int device_count() const { return device_count_.load(); }
 
  private:
@@ -245,12 +270,10 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   sp_pool_id route_for(c10::DeviceIndex device, cudaStream_t stream);
   bool consume_orphan(void* ptr);
   void check_device(c10::DeviceIndex device) const;
-  void append_traces(const json::Value& snap, CCA::SnapshotInfo& info);
+  void append_traces(const sp_snapshot* snap, CCA::SnapshotInfo& info);
 
   std::optional<std::string> backend_;
   std::optional<std::string> conf_;
-  // What sp_init was given (PyTorch's settings, $SLOTPOOL_CONF, conf_), for config_metadata.
-  std::string applied_conf_;
   std::atomic<bool> initialized_{false};
   std::atomic<bool> sp_ready_{false};
   std::mutex init_mu_;
@@ -317,8 +340,7 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   std::map<std::tuple<int, uint64_t, uint64_t>, size_t> pinned_pools_;
   std::atomic<size_t> n_orphans_{0};
 
-  std::mutex options_mu_;
-  std::map<std::tuple<int, uint64_t, uint64_t>, sp_pool_options> pool_options_;
+  std::mutex options_mu_;  // one update_pool_options at a time
 
   std::mutex observers_mu_;
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;

@@ -38,6 +38,7 @@ from ._torch import TorchMissing, torch  # torch is imported on first use
 
 __all__ = [
     "install",
+    "config",
     "is_installed",
     "load",
     "named_pool",
@@ -86,7 +87,32 @@ def load(verbose: bool = False):
 
 
 # slotpool's defaults are the core's (`Config::default()` in slotpool-core), beneath $SLOTPOOL_CONF
-# and conf=: the library applies them, and nothing here repeats them.
+# and conf=: the library applies them, and nothing here repeats them; config() reads them back.
+
+
+def config(key: str = "conf") -> str:
+    """The value in effect of slotpool configuration key `key` ("vmm_page_mb", "growth", ...), as
+    text in the conf syntax ("" for an unset key), read from the library (sp_config_get_str);
+    "conf" gives the whole configuration string. Before install() it is what install() would
+    start from (the defaults under $SLOTPOOL_CONF); it never initialises slotpool or CUDA. Every
+    key and its default: docs/configuration.md. An unknown key raises ValueError."""
+    import ctypes
+
+    _loader.preload_lib()
+    lib = _loader._lib_handle
+    get = lib.sp_config_get_str
+    get.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                    ctypes.POINTER(ctypes.c_size_t)]
+    get.restype = ctypes.c_int
+    lib.sp_last_error_message.restype = ctypes.c_char_p
+    name = key.encode()
+    n = ctypes.c_size_t(0)
+    while True:
+        buf = ctypes.create_string_buffer(n.value + 1)
+        if get(name, buf, len(buf), ctypes.byref(n)) != 0:
+            raise ValueError(lib.sp_last_error_message().decode())
+        if n.value < len(buf):
+            return buf.value.decode()
 
 
 def install(backend: str | None = "cuda", conf: str | None = None, verbose: bool = False) -> None:

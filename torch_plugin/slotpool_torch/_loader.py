@@ -26,7 +26,21 @@ PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 PLUGIN_DIR = os.path.dirname(PKG_DIR)  # torch_plugin/ in a source checkout
 REPO_DIR = os.path.dirname(PLUGIN_DIR)
 CSRC_DIR = os.path.join(PLUGIN_DIR, "csrc")
-SOURCES = ("slotpool_allocator.cpp", "module.cpp")
+# The extension's C++ sources in csrc/, one concern each (csrc/slotpool_allocator.h lists them):
+# the allocator's (also what scripts/torch_host_check.sh compiles without the Python bindings),
+# then the bindings.
+ALLOCATOR_SOURCES = (
+    "allocator.cpp",
+    "conf.cpp",
+    "routes.cpp",
+    "pools.cpp",
+    "orphans.cpp",
+    "checkpoints.cpp",
+    "history.cpp",
+    "snapshot.cpp",
+    "ipc.cpp",
+)
+SOURCES = ALLOCATOR_SOURCES + ("module.cpp",)
 # The C++ runtime must be the process's shared libstdc++, the one torch uses. A toolchain whose
 # search path offers only libstdc++.a (the H200 image's /opt/gcc wrapper) would otherwise link a
 # private static copy whose iostreams are never initialised (GCC 13 runs that initialiser from

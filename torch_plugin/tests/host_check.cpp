@@ -118,6 +118,16 @@ c10::MempoolId_t pool_of(slotpool_torch::SlotpoolAllocator& a, void* p) {
   return {~0ULL, ~0ULL};
 }
 
+// The message of what f throws (c10::Error), or "" when it returns.
+std::string thrown(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 void check_stats_routes_and_checkpoints(slotpool_torch::SlotpoolAllocator& a) {
   using c10::CachingDeviceAllocator::StatType;
   const auto all = static_cast<size_t>(StatType::AGGREGATE);
@@ -185,6 +195,116 @@ void check_stats_routes_and_checkpoints(slotpool_torch::SlotpoolAllocator& a) {
   }  // the handed-back DataPtr frees it here, with the shim's deleter
   expect(a.checkPoolLiveAllocations(1, pool, {}), "the DataPtr's deleter freed it");
   a.releasePool(1, pool);
+
+  // Half changed, as CUDA graph trees meet it at a branch switch: of four allocations in the
+  // checkpoint two die since, and two new ones are made. ptrs_freed: the new ones and the
+  // survivors (live before); dataptrs_allocd: the survivors and the re-created (the checkpoint's).
+  c10::MempoolId_t half{8, 0};
+  a.createOrIncrefPool(1, half);
+  a.beginAllocateToPool(1, half, FakeCUDAGraphFilter{s1});
+  std::vector<void*> in_cp;
+  for (size_t i = 0; i < 4; ++i) {
+    in_cp.push_back(a.malloc_impl(1, (i + 1) << 20, s1));
+  }
+  a.endAllocateToPool(1, half);
+  auto cp_half = a.getCheckpointState(1, half);
+  a.free_ptr(in_cp[0], true);
+  a.free_ptr(in_cp[2], true);
+  a.beginAllocateToPool(1, half, FakeCUDAGraphFilter{s1});
+  void* new1 = a.malloc_impl(1, 7 << 20, s1);
+  void* new2 = a.malloc_impl(1, 9 << 20, s1);
+  a.endAllocateToPool(1, half);
+  {
+    auto delta = a.setCheckpointPoolState(1, cp_half);
+    std::vector<void*> freed = delta.ptrs_freed;
+    std::vector<void*> allocd;
+    for (const auto& d : delta.dataptrs_allocd) {
+      allocd.push_back(d.get());
+      expect(d.get_deleter() == &slotpool_torch::slotpool_delete, "restore: our deleter");
+    }
+    std::sort(freed.begin(), freed.end());
+    std::sort(allocd.begin(), allocd.end());
+    std::vector<void*> want_freed{new1, new2, in_cp[1], in_cp[3]};
+    std::vector<void*> want_allocd = in_cp;
+    std::sort(want_freed.begin(), want_freed.end());
+    std::sort(want_allocd.begin(), want_allocd.end());
+    expect(freed == want_freed, "half changed: ptrs_freed = the new ones and the survivors");
+    expect(allocd == want_allocd, "half changed: dataptrs_allocd = every allocation of the checkpoint");
+    expect(a.checkPoolLiveAllocations(1, half, {in_cp.begin(), in_cp.end()}),
+           "half changed: the pool holds the checkpoint's allocations");
+    // slotpool_torch.restore of another pool with this checkpoint: refused, nothing changes.
+    auto* state = dynamic_cast<slotpool_torch::CheckpointState*>(cp_half.get());
+    std::string msg =
+        thrown([&] { a.restore(1, slotpool_torch::to_sp(pool), *state, {}, true); });
+    expect(msg.find("cannot restore pool") != std::string::npos,
+           "a checkpoint restores only its own pool: " + msg);
+    expect(a.checkPoolLiveAllocations(1, half, {in_cp.begin(), in_cp.end()}),
+           "the refused restore changed nothing");
+    for (auto& d : delta.dataptrs_allocd) {
+      d.release_context();  // the four are this test's to free again
+    }
+  }
+  // The same checkpoint again, after other changes (graph trees return to a node many times).
+  a.free_ptr(in_cp[1], true);
+  a.beginAllocateToPool(1, half, FakeCUDAGraphFilter{s1});
+  void* new3 = a.malloc_impl(1, 5 << 20, s1);
+  a.endAllocateToPool(1, half);
+  {
+    auto delta = a.setCheckpointPoolState(1, cp_half);
+    std::vector<void*> freed = delta.ptrs_freed;
+    std::vector<void*> allocd;
+    for (const auto& d : delta.dataptrs_allocd) {
+      allocd.push_back(d.get());
+    }
+    std::sort(freed.begin(), freed.end());
+    std::sort(allocd.begin(), allocd.end());
+    std::vector<void*> want_freed{new3, in_cp[0], in_cp[2], in_cp[3]};
+    std::vector<void*> want_allocd = in_cp;
+    std::sort(want_freed.begin(), want_freed.end());
+    std::sort(want_allocd.begin(), want_allocd.end());
+    expect(freed == want_freed, "a second restore: ptrs_freed = what is live before it");
+    expect(allocd == want_allocd, "a second restore: dataptrs_allocd = the checkpoint's again");
+  }  // the DataPtrs free all four
+  expect(a.checkPoolLiveAllocations(1, half, {}), "half changed: the DataPtrs freed the pool");
+  cp_half.reset();
+  a.releasePool(1, half);
+}
+
+// setUseOnOOM / setNoSplit change one option and keep the others the pool has (here a byte
+// limit given at creation, which the shim never saw).
+void check_pool_options(slotpool_torch::SlotpoolAllocator& a) {
+  sp_pool_options o{};
+  o.limit_bytes = 64u << 20;
+  sp_pool_id id{};
+  slotpool_torch::check(sp_pool_named(0, "host_check.options", &o, &id), "sp_pool_named");
+  c10::MempoolId_t pool = slotpool_torch::from_sp(id);
+  a.setNoSplit(0, pool);
+  a.setUseOnOOM(0, pool, true);
+  sp_pool_options now{};
+  slotpool_torch::check(sp_pool_options_get(0, id, &now), "sp_pool_options_get");
+  expect(now.no_split == 1 && now.use_on_oom == 1 && now.limit_bytes == (64u << 20),
+         "setNoSplit and setUseOnOOM keep the pool's byte limit");
+  a.setUseOnOOM(0, pool, false);
+  slotpool_torch::check(sp_pool_options_get(0, id, &now), "sp_pool_options_get");
+  expect(now.no_split == 1 && now.use_on_oom == 0 && now.limit_bytes == (64u << 20),
+         "setUseOnOOM(false) changes use_on_oom alone");
+  std::string msg = thrown([&] { a.setNoSplit(0, c10::MempoolId_t{12345, 0}); });
+  expect(msg.empty(), "setNoSplit on an unknown pool warns and does not throw: " + msg);
+  slotpool_torch::check(sp_pool_release(0, id, nullptr), "sp_pool_release");
+}
+
+// getExpandableSegmentSizes: slotpool's vmm segments by (stream, size class).
+void check_expandable_sizes(slotpool_torch::SlotpoolAllocator& a) {
+  auto* stream = reinterpret_cast<cudaStream_t>(31);
+  void* big = a.malloc_impl(0, 40u << 20, stream);
+  size_t total = 0;
+  for (const auto& s : a.getExpandableSegmentSizes(0)) {
+    if (s.stream == stream && !s.is_small_pool) {
+      total += s.total_size;
+    }
+  }
+  expect(total >= (40u << 20), "getExpandableSegmentSizes counts the stream's vmm segment");
+  a.free_ptr(big, true);
 }
 
 void* sp_alloc_or_die(size_t size) {
@@ -197,14 +317,6 @@ void* sp_alloc_or_die(size_t size) {
 
 // The CUDA IPC paths that fail before any CUDA call: sharing vmm memory on the simulated device,
 // and malformed handles. (Sharing and opening real memory needs a GPU: torch_scenarios.py.)
-std::string thrown(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 void check_ipc_refusals(slotpool_torch::SlotpoolAllocator& a) {
   void* big = sp_alloc_or_die(40u << 20);  // beyond the default 16 MiB pages' small blocks: vmm
@@ -437,6 +549,8 @@ int main() {
   a.free_ptr(s4, true);
 
   check_stats_routes_and_checkpoints(a);
+  check_pool_options(a);
+  check_expandable_sizes(a);
 
   // Threads allocating and freeing while stacks are gathered and snapshots taken: no deadlock, no
   // lost block, every live block's stack in the snapshot.

@@ -177,3 +177,24 @@ def test_the_package_version_is_the_librarys():
     pyproject = open(os.path.join(PLUGIN, "pyproject.toml")).read()
     assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == want
     assert slotpool_torch.__name__ == "slotpool_torch"
+
+
+def test_config_reads_the_library_s_defaults_without_torch(tmp_path):
+    """The package restates no default: it reads them from libslotpool, over $SLOTPOOL_CONF,
+    without initialising it (install() could still pass its own conf)."""
+    code = (
+        "import slotpool_torch as sp; "
+        "print(sp.config()); print(sp.config('vmm_page_mb')); print(sp.config('max_split_size_mb')); "
+        "print(sp.config('garbage_collection_threshold') == '')\n"
+        "try:\n    sp.config('no_such_key')\nexcept ValueError as e:\n    print('refused', e)\n"
+    )
+    env = {"SLOTPOOL_CONF": "vmm_page_mb:8,max_split_size_mb:64"}
+    if os.environ.get("SLOTPOOL_LIB"):
+        env["SLOTPOOL_LIB"] = os.environ["SLOTPOOL_LIB"]
+    p = _python(tmp_path, "-c", code, env=env)
+    assert p.returncode == 0, p.stderr
+    conf, page, split, gc_unset, refused = p.stdout.strip().splitlines()
+    assert conf.startswith("growth:vmm,") and "vmm_page_mb:8" in conf, conf
+    assert "max_split_size_mb:64" in conf, conf
+    assert (page, split, gc_unset) == ("8", "64", "True")
+    assert refused.startswith("refused") and "no_such_key" in refused, refused

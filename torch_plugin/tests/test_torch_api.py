@@ -562,6 +562,36 @@ def test_sp_oom_message_counts_each_byte_once():
     assert abs(allocated + private + rest - reserved) <= 0.015, msg
 
 
+def test_checkpoint_state_half_changed():
+    # CUDA graph trees' branch switch (setCheckpointPoolState) with half of a pool's blocks changed
+    # since getCheckpointState, under either allocator: the surviving tensors keep their memory and
+    # contents, the new tensors' memory goes back to the pool (their storages passed as stale), and
+    # the blocks of the tensors that died come back and are freed as graph trees free them.
+    d = torch.cuda.current_device()
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        ts = [torch.full((512 * (i % 5 + 1),), i, dtype=torch.uint8, device=dev) for i in range(40)]
+    torch.cuda.synchronize()
+    state = torch._C._cuda_getCheckpointState(d, pool.id)
+    dead_ptrs = [t.data_ptr() for t in ts[::2]]
+    survivors = ts[1::2]
+    del ts
+    with torch.cuda.use_mem_pool(pool):
+        new = [torch.empty(3000 + 100 * i, dtype=torch.uint8, device=dev) for i in range(20)]
+    torch.cuda.synchronize()
+    torch._C._cuda_setCheckpointPoolState(d, state, [t.untyped_storage()._cdata for t in new], [])
+    for p in dead_ptrs:
+        torch._C._cuda_cudaCachingAllocator_raw_delete(p)
+    del new  # their deleters were removed: dropping them frees nothing
+    assert torch._C._cuda_checkPoolLiveAllocations(d, pool.id, {t.data_ptr() for t in survivors})
+    assert [int(t[0]) for t in survivors] == list(range(1, 40, 2))
+    del survivors, state
+    gc.collect()
+    assert torch._C._cuda_checkPoolLiveAllocations(d, pool.id, set())
+    del pool
+    gc.collect()
+
+
 def test_compile_reduce_overhead():
     import torch._inductor.config as icfg
     icfg.triton.slow_path_cudagraph_asserts = True

@@ -1,84 +1,26 @@
-//! The C ABI's error type, its status codes, the per-thread last-error message, and [`ffi`], the
-//! guard every entry point runs its body under.
+//! The C ABI's error type, the mapping of errors to status codes (the codes themselves are
+//! slotpool-abi's), the per-thread last-error message, and [`ffi`], the guard every entry point
+//! runs its body under.
 //!
 //! Every failure in this crate is an [`Error`]; [`Error::status`] is the one place where an error
 //! becomes an `sp_status` code, and the `From` impls below are the one place where core and backend
 //! errors become an [`Error`].
 
 use std::cell::{Cell, RefCell};
-use std::ffi::{CStr, CString, c_char, c_int};
+use std::ffi::{CString, c_char, c_int};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use slotpool_core::{AllocError, ConfigError, DeviceError, PoolId};
 
-/// Defines [`sp_status`] and [`STATUS_NAMES`] from one list, so that a code and its name are
-/// written once.
-macro_rules! status_codes {
-    ($( $(#[$doc:meta])* $name:ident = $value:literal, )*) => {
-        /// Status returned by every `sp_*` call (`sp_status` in `slotpool.h`).
-        #[repr(C)]
-        #[allow(non_camel_case_types)]
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        pub enum sp_status {
-            $( $(#[$doc])* $name = $value, )*
-        }
-
-        /// Every status code with its name (`sp_status_name`), in the order of the codes.
-        pub const STATUS_NAMES: &[(sp_status, &CStr)] = &[
-            $( (sp_status::$name, {
-                // The name as a C string literal: `concat!` adds the terminating NUL.
-                match CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes()) {
-                    Ok(name) => name,
-                    Err(_) => panic!("a status name has a NUL"),
-                }
-            }), )*
-        ];
-    };
-}
-
-status_codes! {
-    /// Success.
-    SP_OK = 0,
-    /// A null pointer, a zero or absurd size, an unknown device, a bad enum value or option.
-    SP_ERR_INVALID_ARGUMENT = 1,
-    /// The device, the memory limit or a pool's limit has no room, even after freeing caches.
-    SP_ERR_OUT_OF_MEMORY = 2,
-    /// The pointer was not returned by slotpool, or was already freed.
-    SP_ERR_UNKNOWN_POINTER = 3,
-    /// No pool with this id exists on this device.
-    SP_ERR_UNKNOWN_POOL = 4,
-    /// The call is not valid now (pool already released, no route to end, already initialised).
-    SP_ERR_INVALID_STATE = 5,
-    /// The requested backend cannot be used here (no CUDA driver, no device).
-    SP_ERR_BACKEND_UNAVAILABLE = 6,
-    /// The backend failed (a CUDA driver error).
-    SP_ERR_DEVICE = 7,
-    /// The library could not be initialised from the environment (lazy initialisation failed).
-    SP_ERR_NOT_INITIALIZED = 8,
-    /// `sp_shutdown` was called; the library serves no more calls.
-    SP_ERR_SHUTDOWN = 9,
-    /// A bug: a panic inside slotpool was caught at the C boundary.
-    SP_ERR_PANIC = 10,
-    /// A configuration string was rejected (unknown key, bad value).
-    SP_ERR_CONFIG = 11,
-    /// The pool is paused (`sp_pool_pause`): nothing is allocated from it until it is resumed.
-    SP_ERR_POOL_PAUSED = 12,
-}
-
-/// What `sp_status_name` returns for a value that is no status code.
-pub const UNRECOGNIZED_STATUS: &CStr = c"SP_ERR_UNRECOGNIZED";
+pub use slotpool_abi::sp_status;
 
 /// The name of the status code `status` (`"SP_OK"`, `"SP_ERR_OUT_OF_MEMORY"`, ...), as
 /// `cudaGetErrorName` names a CUDA error; `"SP_ERR_UNRECOGNIZED"` for a value that is no code. A
 /// static string: never NULL, never to be freed. Never initialises the library.
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_status_name(status: c_int) -> *const c_char {
-    STATUS_NAMES
-        .iter()
-        .find(|(code, _)| *code as c_int == status)
-        .map_or(UNRECOGNIZED_STATUS, |&(_, name)| name)
-        .as_ptr()
+    sp_status::name_of(status).as_ptr()
 }
 
 /// Every way a C ABI call can fail.
@@ -361,17 +303,12 @@ mod tests {
     fn every_code_has_its_own_name() {
         assert_eq!(name(0), "SP_OK");
         assert_eq!(name(2), "SP_ERR_OUT_OF_MEMORY");
-        assert_eq!(name(11), "SP_ERR_CONFIG");
-        // The table covers 0..=11 without gaps or repeats, and each name is the variant's.
-        for (i, (code, n)) in STATUS_NAMES.iter().enumerate() {
-            assert_eq!(*code as usize, i);
-            assert_eq!(n.to_str().unwrap(), format!("{code:?}"));
-            assert_eq!(name(i as c_int), format!("{code:?}"));
+        for code in sp_status::ALL {
+            assert_eq!(name(code.code()), format!("{code:?}"));
         }
-        assert!(STATUS_NAMES.len() >= 12);
         // Every code an error maps to is named.
         assert_eq!(name(Error::Shutdown.status() as c_int), "SP_ERR_SHUTDOWN");
-        let past_the_last = STATUS_NAMES.len() as c_int;
+        let past_the_last = sp_status::ALL.len() as c_int;
         for unknown in [-1, past_the_last, 1000, c_int::MIN, c_int::MAX] {
             assert_eq!(name(unknown), "SP_ERR_UNRECOGNIZED");
         }

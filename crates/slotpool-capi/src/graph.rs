@@ -13,10 +13,12 @@ use slotpool_core::policy::MIN_BLOCK_SIZE;
 use slotpool_core::{ArenaId, Checkpoint, DevicePtr, RestoreDelta, VariantGroup};
 
 use crate::error::{Error, Result, ffi, ffi_value, sp_status};
-use crate::handle::{Kind, Registry};
+use crate::handle::{Kind, Registry, pointer_of as handle, token_of as tok};
 use crate::out::{put, put_opt, required};
 use crate::runtime::{DevAlloc, TraceCallback, each, runtime};
-use crate::types::{sp_pool_id, sp_trace_event};
+use slotpool_abi::{sp_pool_id, sp_trace_event};
+
+use crate::convert::{ToC, ToCore};
 
 /// A checkpoint handle (opaque to C: the pointer is a token, never dereferenced).
 #[allow(non_camel_case_types)]
@@ -54,16 +56,6 @@ struct GroupObj {
 static CHECKPOINTS: Registry<CheckpointObj> = Registry::new(Kind::Checkpoint);
 static DELTAS: Registry<RestoreDelta> = Registry::new(Kind::Delta);
 static GROUPS: Registry<GroupObj> = Registry::new(Kind::VariantGroup);
-
-/// The token of a handle pointer.
-fn tok<T>(p: *const T) -> u64 {
-    p.addr() as u64
-}
-
-/// The handle pointer of a token.
-fn handle<T>(t: u64) -> *mut T {
-    std::ptr::without_provenance_mut(t as usize)
-}
 
 fn checkpoint(p: *const sp_checkpoint) -> Result<Arc<CheckpointObj>> {
     CHECKPOINTS.get(tok(p), Kind::Checkpoint.name())
@@ -148,7 +140,7 @@ pub unsafe extern "C" fn sp_checkpoint_take(
         let out = required(out, "out")?;
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, std::ptr::null_mut()) };
-        let cp = each!(runtime()?.device(device)?, a => a.checkpoint(id.into()))?;
+        let cp = each!(runtime()?.device(device)?, a => a.checkpoint(id.core()))?;
         let t = CHECKPOINTS.insert(CheckpointObj { device, cp })?;
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, handle(t)) };
@@ -166,7 +158,9 @@ pub unsafe extern "C" fn sp_checkpoint_free(cp: *mut sp_checkpoint) -> sp_status
     ffi(|| CHECKPOINTS.remove(tok(cp), Kind::Checkpoint.name()))
 }
 
-/// Restores pool `id` to checkpoint `cp`, keeping `keep_live[0..n_keep]` live at their addresses.
+/// Returns the pool `cp` was taken of, on its device, to checkpoint `cp`, keeping
+/// `keep_live[0..n_keep]` live at their addresses. The device and pool come from the checkpoint;
+/// the core checks once that the checkpoint belongs to that device's allocator.
 ///
 /// # Safety
 ///
@@ -174,8 +168,6 @@ pub unsafe extern "C" fn sp_checkpoint_free(cp: *mut sp_checkpoint) -> sp_status
 /// `n_keep` readable pointers; `delta_out` NULL or valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_checkpoint_restore(
-    device: c_int,
-    id: sp_pool_id,
     cp: *const sp_checkpoint,
     keep_live: *const *mut c_void,
     n_keep: usize,
@@ -185,18 +177,35 @@ pub unsafe extern "C" fn sp_checkpoint_restore(
         // SAFETY: NULL or valid for a write by the caller's contract.
         unsafe { put_opt(delta_out, std::ptr::null_mut()) };
         let c = checkpoint(cp)?;
-        if c.device != device {
-            return Err(Error::InvalidArgument(format!(
-                "checkpoint of device {} cannot restore device {device}",
-                c.device
-            )));
-        }
-        let d = runtime()?.device(device)?;
+        let d = runtime()?.device(c.device)?;
         // SAFETY: forwarded from the caller's contract.
         let keep = unsafe { ptr_list(d, keep_live, n_keep, "keep_live") }?;
-        let delta = each!(d, a => a.restore(id.into(), &c.cp, &keep))?;
+        let delta = each!(d, a => a.restore_checkpoint(&c.cp, &keep))?;
         // SAFETY: NULL or valid for a write by the caller's contract.
         unsafe { deliver(delta, delta_out) }
+    })
+}
+
+/// Writes the device and pool checkpoint `cp` was taken of (either out-pointer may be NULL).
+///
+/// # Safety
+///
+/// `cp` may be any value (checked, never dereferenced); `device` and `pool` each NULL or valid
+/// for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_checkpoint_info(
+    cp: *const sp_checkpoint,
+    device: *mut c_int,
+    pool: *mut sp_pool_id,
+) -> sp_status {
+    ffi(|| {
+        let c = checkpoint(cp)?;
+        // SAFETY: each NULL or valid for a write by the caller's contract.
+        unsafe {
+            put_opt(device, c.device);
+            put_opt(pool, c.cp.pool().c());
+        }
+        Ok(())
     })
 }
 
@@ -272,6 +281,50 @@ pub unsafe extern "C" fn sp_delta_created(
     ffi(|| unsafe { delta_entry(d, i, false, ptr, size) })
 }
 
+/// Writes the first `min(cap, total)` entries of a delta's freed list (`created` 0) or
+/// re-created list (`created` non-zero): pointers to `ptrs`, sizes to `sizes` (may be NULL), and
+/// the list's length to `*total` (`SP_OK` also when it is above `cap`). One call for what
+/// `sp_delta_freed` / `sp_delta_created` read an entry at a time: a restore's caller reads
+/// thousands of entries.
+///
+/// # Safety
+///
+/// `ptrs` must be NULL with `cap` 0, else valid for `cap` writes; `sizes` NULL or valid for `cap`
+/// writes; `total` NULL (an error) or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sp_delta_entries(
+    d: *const sp_restore_delta,
+    created: c_int,
+    ptrs: *mut *mut c_void,
+    sizes: *mut usize,
+    cap: usize,
+    total: *mut usize,
+) -> sp_status {
+    ffi(|| {
+        let d = delta(d)?;
+        let total = required(total, "total")?;
+        if cap > 0 && ptrs.is_null() {
+            return Err(Error::InvalidArgument(format!(
+                "ptrs is NULL with cap {cap}"
+            )));
+        }
+        let list = if created != 0 { &d.created } else { &d.freed };
+        for (i, &(p, s)) in list.iter().take(cap).enumerate() {
+            // SAFETY: `ptrs` is non-null and valid for `cap` > `i` writes, `sizes` NULL or the
+            // same, by the caller's contract.
+            unsafe {
+                ptrs.add(i).write(p as *mut c_void);
+                if !sizes.is_null() {
+                    sizes.add(i).write(s as usize);
+                }
+            }
+        }
+        // SAFETY: non-null and valid for a write by the caller's contract.
+        unsafe { put(total, list.len()) };
+        Ok(())
+    })
+}
+
 /// Frees a delta (NULL is accepted).
 ///
 /// # Safety
@@ -301,7 +354,7 @@ pub unsafe extern "C" fn sp_variant_group_create(
         let out = required(out, "out")?;
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, std::ptr::null_mut()) };
-        let group = each!(runtime()?.device(device)?, a => a.variant_group(id.into(), count))?;
+        let group = each!(runtime()?.device(device)?, a => a.variant_group(id.core(), count))?;
         let t = GROUPS.insert(GroupObj {
             device,
             group: Mutex::new(group),
@@ -377,7 +430,7 @@ pub unsafe extern "C" fn sp_arena_create(
 ) -> sp_status {
     ffi(|| {
         let out = required(out, "out")?;
-        let ar = each!(runtime()?.device(device)?, a => a.arena_create(id.into(), stream))?;
+        let ar = each!(runtime()?.device(device)?, a => a.arena_create(id.core(), stream))?;
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, ar.0) };
         Ok(())
@@ -458,7 +511,7 @@ pub unsafe extern "C" fn sp_pool_verify_live(
         let d = runtime()?.device(device)?;
         // SAFETY: forwarded from the caller's contract.
         let list = unsafe { ptr_list(d, ptrs, n, "ptrs") }?;
-        each!(d, a => a.verify_live(id.into(), &list))?;
+        each!(d, a => a.verify_live(id.core(), &list))?;
         Ok(())
     })
 }
@@ -476,7 +529,7 @@ pub unsafe extern "C" fn sp_pool_live_count(
 ) -> sp_status {
     ffi(|| {
         let out = required(out, "out")?;
-        let n = each!(runtime()?.device(device)?, a => a.live_allocations(id.into()))?.len();
+        let n = each!(runtime()?.device(device)?, a => a.live_allocations(id.core()))?.len();
         // SAFETY: an out-pointer the C caller guarantees valid for a write.
         unsafe { put(out, n) };
         Ok(())
@@ -496,7 +549,7 @@ pub unsafe extern "C" fn sp_pool_drain_pending_frees(
     left: *mut usize,
 ) -> sp_status {
     ffi(|| {
-        let n = each!(runtime()?.device(device)?, a => a.drain_pending_frees(id.into()))?;
+        let n = each!(runtime()?.device(device)?, a => a.drain_pending_frees(id.core()))?;
         // SAFETY: NULL or valid for a write by the caller's contract.
         unsafe { put_opt(left, n) };
         Ok(())

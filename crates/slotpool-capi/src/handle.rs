@@ -1,4 +1,5 @@
-//! Handles: the values behind `sp_checkpoint*`, `sp_restore_delta*` and `sp_variant_group*`.
+//! Handles: the values behind `sp_checkpoint*`, `sp_restore_delta*`, `sp_variant_group*` and
+//! `sp_snapshot*`.
 //!
 //! A handle is a token, not an address. Its 64 bits are the kind's tag (bits 56..64), the
 //! generation of its slot (bits 24..56) and the slot (bits 0..24) in the kind's own [`Registry`].
@@ -15,15 +16,21 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::error::{Error, Result};
 
-/// The three kinds of handle.
+/// The kinds of handle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     Checkpoint,
     Delta,
     VariantGroup,
+    Snapshot,
 }
 
-const KINDS: [Kind; 3] = [Kind::Checkpoint, Kind::Delta, Kind::VariantGroup];
+const KINDS: [Kind; 4] = [
+    Kind::Checkpoint,
+    Kind::Delta,
+    Kind::VariantGroup,
+    Kind::Snapshot,
+];
 
 impl Kind {
     /// The tag byte in bits 56..64 of this kind's tokens.
@@ -32,6 +39,7 @@ impl Kind {
             Kind::Checkpoint => 0xC1,
             Kind::Delta => 0xD2,
             Kind::VariantGroup => 0xE3,
+            Kind::Snapshot => 0xF4,
         }
     }
 
@@ -41,6 +49,7 @@ impl Kind {
             Kind::Checkpoint => "checkpoint",
             Kind::Delta => "restore delta",
             Kind::VariantGroup => "variant group",
+            Kind::Snapshot => "snapshot",
         }
     }
 }
@@ -52,6 +61,16 @@ const SLOTS: usize = 1 << GEN_SHIFT;
 
 fn token(kind: Kind, generation: u32, slot: usize) -> u64 {
     (kind.tag() << TAG_SHIFT) | (u64::from(generation) << GEN_SHIFT) | slot as u64
+}
+
+/// The token of a handle pointer.
+pub(crate) fn token_of<T>(p: *const T) -> u64 {
+    p.addr() as u64
+}
+
+/// The handle pointer of a token.
+pub(crate) fn pointer_of<T>(t: u64) -> *mut T {
+    std::ptr::without_provenance_mut(t as usize)
 }
 
 /// One slot: its generation, and its object while live.
@@ -138,6 +157,11 @@ impl<T> Registry<T> {
                 "{what} {t:#x} is not a {own} handle: never returned by slotpool"
             ))),
         }
+    }
+
+    /// The object of the live handle `p`.
+    pub(crate) fn get_ptr<P>(&self, p: *const P) -> Result<Arc<T>> {
+        self.get(token_of(p), self.kind.name())
     }
 
     /// The object of the live handle `t`.

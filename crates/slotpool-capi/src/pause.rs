@@ -8,7 +8,9 @@ use slotpool_core::PauseMode;
 use crate::error::{Error, ffi, sp_status};
 use crate::out::put_opt;
 use crate::runtime::{each, runtime};
-use crate::types::sp_pool_id;
+use slotpool_abi::sp_pool_id;
+
+use crate::convert::ToCore;
 
 /// `sp_pool_pause` flag: copy the pool's contents to pinned host memory first.
 pub const SP_PAUSE_BACKUP: u32 = 1;
@@ -31,7 +33,7 @@ fn mode_of(flags: u32) -> Result<PauseMode, Error> {
 pub extern "C" fn sp_pool_pause(device: c_int, id: sp_pool_id, flags: u32) -> sp_status {
     ffi(|| {
         let mode = mode_of(flags)?;
-        each!(runtime()?.device(device)?, a => a.pause_pool(id.into(), mode))?;
+        each!(runtime()?.device(device)?, a => a.pause_pool(id.core(), mode))?;
         Ok(())
     })
 }
@@ -40,7 +42,7 @@ pub extern "C" fn sp_pool_pause(device: c_int, id: sp_pool_id, flags: u32) -> sp
 #[unsafe(no_mangle)]
 pub extern "C" fn sp_pool_resume(device: c_int, id: sp_pool_id) -> sp_status {
     ffi(|| {
-        each!(runtime()?.device(device)?, a => a.resume_pool(id.into()))?;
+        each!(runtime()?.device(device)?, a => a.resume_pool(id.core()))?;
         Ok(())
     })
 }
@@ -60,7 +62,7 @@ pub unsafe extern "C" fn sp_pool_pause_info(
     host_bytes: *mut u64,
 ) -> sp_status {
     ffi(|| {
-        let st = each!(runtime()?.device(device)?, a => a.pool_pause_state(id.into()))?;
+        let st = each!(runtime()?.device(device)?, a => a.pool_pause_state(id.core()))?;
         // SAFETY: each is NULL or valid for a write by the caller's contract.
         unsafe {
             put_opt(paused, c_int::from(st.is_paused()));

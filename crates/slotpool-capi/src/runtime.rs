@@ -11,150 +11,24 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Once, OnceLock, PoisonError};
 
+use slotpool_abi::sp_trace_event;
 use slotpool_core::{
-    AllocError, AllocResult, Allocator, CaptureStatus, Config, Device, DevicePtr, DeviceResult,
-    EventHandle, GrowthMode, HostBuffer, PageHandle, StreamId, TraceEntry, TraceSink,
+    AllocError, AllocResult, Allocator, Config, Device, DevicePtr, GrowthMode, Layer, TraceEntry,
+    TraceSink,
 };
 use slotpool_cuda::CudaDevice;
-use slotpool_sim::{Backing, SimConfig, SimDevice};
+use slotpool_sim::{SimConfig, SimDevice, SimOptions};
 
+use crate::convert::trace_event;
 use crate::error::{Error, Result};
-use crate::types::sp_trace_event;
 
 /// Environment variable naming the backend for lazy initialisation (`cuda`, `sim`, `auto`).
-pub const ENV_BACKEND: &str = "SLOTPOOL_BACKEND";
+pub use slotpool_core::layers::ENV_BACKEND;
 /// Environment variable with the configuration string (merged under `sp_init`'s `conf`).
-pub const ENV_CONF: &str = "SLOTPOOL_CONF";
+pub use slotpool_core::layers::ENV_CONF;
 /// Environment variable that turns logging on (a `tracing` filter such as `info` or
 /// `slotpool=debug`).
-pub const ENV_LOG: &str = "SLOTPOOL_LOG";
-
-/// Most simulated devices (`sim_devices`).
-const MAX_SIM_DEVICES: usize = 64;
-/// Simulated device `i` has its addresses moved up by `i << SIM_ADDRESS_SHIFT`, so that pointers
-/// of different simulated devices never coincide (CUDA's unified addressing gives the same
-/// guarantee on real devices).
-const SIM_ADDRESS_SHIFT: u32 = 56;
-const MIB: u64 = 1 << 20;
-
-// ------------------------------------------------------------------------------------------------
-// The simulated device, with per-device address offsets
-
-/// A [`SimDevice`] whose addresses are shifted by a per-device offset.
-#[derive(Debug)]
-pub struct SimDev {
-    pub inner: SimDevice,
-    offset: u64,
-}
-
-impl SimDev {
-    /// [`SimDevice::page_peers`] at one of this device's (shifted) addresses.
-    pub fn page_peers(&self, ptr: DevicePtr) -> Option<Vec<i32>> {
-        self.inner.page_peers(ptr.wrapping_sub(self.offset))
-    }
-
-    /// The address in [`SimDev::inner`]'s own space of one of this device's addresses.
-    pub fn local(&self, ptr: DevicePtr) -> DevicePtr {
-        ptr.wrapping_sub(self.offset)
-    }
-}
-
-impl Device for SimDev {
-    fn page_size(&self) -> u64 {
-        self.inner.page_size()
-    }
-    fn total_memory(&self) -> u64 {
-        self.inner.total_memory()
-    }
-    fn free_memory(&self) -> u64 {
-        self.inner.free_memory()
-    }
-    fn alloc_segment(&self, size: u64) -> DeviceResult<DevicePtr> {
-        Ok(self.inner.alloc_segment(size)? + self.offset)
-    }
-    fn free_segment(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
-        self.inner.free_segment(ptr.wrapping_sub(self.offset), size)
-    }
-    fn reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
-        Ok(self.inner.reserve(size)? + self.offset)
-    }
-    fn release_reservation(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
-        self.inner
-            .release_reservation(ptr.wrapping_sub(self.offset), size)
-    }
-    fn create_page(&self) -> DeviceResult<PageHandle> {
-        self.inner.create_page()
-    }
-    fn release_page(&self, page: PageHandle) -> DeviceResult<()> {
-        self.inner.release_page(page)
-    }
-    fn map(&self, ptr: DevicePtr, page: PageHandle) -> DeviceResult<()> {
-        self.inner.map(ptr.wrapping_sub(self.offset), page)
-    }
-    fn map_run(&self, ptr: DevicePtr, pages: &[PageHandle]) -> DeviceResult<()> {
-        self.inner.map_run(ptr.wrapping_sub(self.offset), pages)
-    }
-    fn unmap(&self, ptr: DevicePtr) -> DeviceResult<()> {
-        self.inner.unmap(ptr.wrapping_sub(self.offset))
-    }
-    fn create_event(&self) -> DeviceResult<EventHandle> {
-        self.inner.create_event()
-    }
-    fn destroy_event(&self, event: EventHandle) -> DeviceResult<()> {
-        self.inner.destroy_event(event)
-    }
-    fn record_event(&self, event: EventHandle, stream: StreamId) -> DeviceResult<()> {
-        self.inner.record_event(event, stream)
-    }
-    fn query_event(&self, event: EventHandle) -> DeviceResult<bool> {
-        self.inner.query_event(event)
-    }
-    fn synchronize_event(&self, event: EventHandle) -> DeviceResult<()> {
-        self.inner.synchronize_event(event)
-    }
-    fn synchronize(&self) -> DeviceResult<()> {
-        self.inner.synchronize()
-    }
-    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {
-        self.inner.stream_wait_event(stream, event)
-    }
-    fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus> {
-        self.inner.capture_status(stream)
-    }
-    fn add_peer(&self, peer: i32) -> DeviceResult<()> {
-        self.inner.add_peer(peer)
-    }
-    fn refresh_access(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
-        self.inner
-            .refresh_access(ptr.wrapping_sub(self.offset), size)
-    }
-    fn alloc_host(&self, size: u64) -> DeviceResult<HostBuffer> {
-        self.inner.alloc_host(size)
-    }
-    fn free_host(&self, buf: HostBuffer) -> DeviceResult<()> {
-        self.inner.free_host(buf)
-    }
-    fn copy_to_host(
-        &self,
-        dst: HostBuffer,
-        offset: u64,
-        src: DevicePtr,
-        size: u64,
-    ) -> DeviceResult<()> {
-        self.inner
-            .copy_to_host(dst, offset, src.wrapping_sub(self.offset), size)
-    }
-    fn copy_from_host(
-        &self,
-        dst: DevicePtr,
-        src: HostBuffer,
-        offset: u64,
-        size: u64,
-    ) -> DeviceResult<()> {
-        self.inner
-            .copy_from_host(dst.wrapping_sub(self.offset), src, offset, size)
-    }
-}
+pub use slotpool_core::layers::ENV_LOG;
 
 // ------------------------------------------------------------------------------------------------
 // One device's allocator, over either backend
@@ -163,7 +37,7 @@ impl Device for SimDev {
 /// arms, and [`each!`](crate::each) writes the arms.
 #[derive(Debug)]
 pub enum DevAlloc {
-    Sim(Allocator<SimDev>),
+    Sim(Allocator<SimDevice>),
     Cuda(Allocator<CudaDevice>),
 }
 
@@ -204,134 +78,23 @@ impl BackendKind {
     }
 }
 
-/// Options of the simulated backend (`sim_*` keys of the configuration string).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SimOptions {
-    /// Memory of each simulated device.
-    pub memory: u64,
-    /// Number of simulated devices.
-    pub devices: usize,
-    /// Streams complete the moment work is queued (a C caller cannot complete them otherwise).
-    pub auto_complete: bool,
-    /// Device memory holds host-backed bytes (`sim_bytes:1`), which `sp_sim_write` and friends
-    /// access; else only its accounts are kept.
-    pub bytes: bool,
-}
-
-impl Default for SimOptions {
-    fn default() -> Self {
-        SimOptions {
-            memory: SimConfig::default().total_memory,
-            devices: 1,
-            auto_complete: true,
-            bytes: false,
-        }
-    }
-}
-
-/// The keys of [`SimOptions`].
-pub const SIM_KEYS: &[&str] = &[
-    "sim_memory_mb",
-    "sim_devices",
-    "sim_auto_complete",
-    "sim_bytes",
-];
-
-/// A `0|1` configuration value.
-fn flag(value: &str) -> Option<bool> {
-    match value {
-        "1" | "true" | "True" => Some(true),
-        "0" | "false" | "False" => Some(false),
-        _ => None,
-    }
-}
-
-impl SimOptions {
-    fn set(&mut self, key: &str, value: &str) -> Result<()> {
-        let bad = |what: &str| Error::Config(format!("{key}: {what} (got {value:?})"));
-        match key {
-            "sim_memory_mb" => {
-                let mb: u64 = value
-                    .parse()
-                    .map_err(|_| bad("expected a whole number of MiB"))?;
-                self.memory = mb
-                    .checked_mul(MIB)
-                    .filter(|&b| b > 0 && b <= 1 << 56)
-                    .ok_or_else(|| bad("must be between 1 and 2^36"))?;
-            }
-            "sim_devices" => {
-                let n: usize = value.parse().map_err(|_| bad("expected a number"))?;
-                if !(1..=MAX_SIM_DEVICES).contains(&n) {
-                    return Err(bad(&format!("must be between 1 and {MAX_SIM_DEVICES}")));
-                }
-                self.devices = n;
-            }
-            "sim_auto_complete" => {
-                self.auto_complete = flag(value).ok_or_else(|| bad("expected 0 or 1"))?;
-            }
-            "sim_bytes" => self.bytes = flag(value).ok_or_else(|| bad("expected 0 or 1"))?,
-            _ => {
-                return Err(Error::Config(format!(
-                    "invalid slotpool configuration: unknown key {key:?}; known sim keys: {}",
-                    SIM_KEYS.join(", ")
-                )));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Splits a configuration string into its `sim_*` pairs and the rest (for [`Config::apply`]).
-/// Commas inside `[...]` do not split.
-pub fn split_conf(s: &str) -> (Vec<(String, String)>, String) {
-    let mut parts = Vec::new();
-    let mut depth = 0i32;
-    let mut start = 0;
-    for (i, ch) in s.char_indices() {
-        match ch {
-            '[' => depth += 1,
-            ']' => depth -= 1,
-            ',' if depth == 0 => {
-                parts.push(&s[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    parts.push(&s[start..]);
-    let mut sim = Vec::new();
-    let mut rest = Vec::new();
-    for part in parts {
-        let part = part.trim();
-        if part.is_empty() {
-            continue;
-        }
-        match part.split_once(':') {
-            Some((k, v)) if k.trim().starts_with("sim_") => {
-                sim.push((k.trim().to_string(), v.trim().to_string()));
-            }
-            _ => rest.push(part),
-        }
-    }
-    (sim, rest.join(","))
-}
-
-/// The core's defaults ([`Config::default`], the one set every program and the replay start
-/// from), with `SLOTPOOL_CONF` applied over them and `conf` over both (so `conf` wins), and the
-/// sim options of both. Nothing is applied unless everything parses.
+/// The configuration in effect and the simulated backend's options: the layers of
+/// [`slotpool_core::layers`] (the core's defaults, then `SLOTPOOL_CONF`'s text `env_conf`, then
+/// `conf`, so `conf` wins), the `sim_*` keys to slotpool-sim's [`SimOptions`]. Nothing is applied
+/// unless everything parses.
 pub fn parse_conf(env_conf: &str, conf: &str) -> Result<(Config, SimOptions)> {
     let mut sim = SimOptions::default();
-    let mut config = Config::default();
-    for (source, text) in [(ENV_CONF, env_conf), ("conf", conf)] {
-        let (sim_pairs, rest) = split_conf(text);
-        for (k, v) in sim_pairs {
-            sim.set(&k, &v)
-                .map_err(|e| Error::Config(format!("{source}: {e}")))?;
-        }
-        config
-            .apply(&rest)
-            .map_err(|e| Error::Config(format!("{source}: {e}")))?;
-    }
+    let layers = [
+        Layer {
+            source: ENV_CONF,
+            text: env_conf,
+        },
+        Layer {
+            source: "conf",
+            text: conf,
+        },
+    ];
+    let config = Config::layered(&layers, Some(&mut sim))?;
     Ok((config, sim))
 }
 
@@ -375,7 +138,7 @@ impl TraceCallback {
     /// The core's sink for device `device`: one C call per entry.
     fn sink(self, device: usize) -> TraceSink {
         Arc::new(move |e: &TraceEntry| {
-            let event = sp_trace_event::new(device as c_int, e);
+            let event = trace_event(device as c_int, e);
             // SAFETY: `sp_set_trace_callback`'s contract: the function may be called from any
             // thread, with an event valid for the call and the caller's `user_data`, until it
             // is replaced; it does not unwind and does not call slotpool.
@@ -506,21 +269,8 @@ impl Runtime {
         }
         let alloc = match self.kind {
             BackendKind::Sim => {
-                let dev = SimDevice::new(SimConfig {
-                    total_memory: self.sim.memory,
-                    backing: if self.sim.bytes {
-                        Backing::Bytes
-                    } else {
-                        Backing::Accounting
-                    },
-                    auto_complete: self.sim.auto_complete,
-                    page_size: (self.config.vmm_page_size)
-                        .unwrap_or(SimConfig::default().page_size),
-                })?;
-                let dev = SimDev {
-                    inner: dev,
-                    offset: (i as u64) << SIM_ADDRESS_SHIFT,
-                };
+                let page = (self.config.vmm_page_size).unwrap_or(SimConfig::default().page_size);
+                let dev = self.sim.device(i, page)?;
                 DevAlloc::Sim(Allocator::new(Arc::new(dev), self.config.clone()))
             }
             BackendKind::Cuda => {
@@ -648,6 +398,14 @@ pub fn runtime() -> Result<&'static Runtime> {
     }
 }
 
+/// The runtime if it is initialised (an error after shutdown); never initialises.
+pub fn current() -> Result<Option<&'static Runtime>> {
+    if SHUTDOWN.load(Ordering::Acquire) {
+        return Err(Error::Shutdown);
+    }
+    Ok(RUNTIME.get())
+}
+
 /// Whether the runtime is initialised (and not shut down); never initialises.
 pub fn is_initialized() -> Result<bool> {
     if SHUTDOWN.load(Ordering::Acquire) {
@@ -708,7 +466,7 @@ pub fn init(backend: Option<&str>, conf: Option<&str>, lazy: bool) -> Result<&'s
             "backend {backend:?}: expected \"cuda\", \"sim\" or \"auto\""
         )));
     }
-    let env_conf = std::env::var(ENV_CONF).unwrap_or_default();
+    let env_conf = slotpool_core::layers::env_conf().unwrap_or_default();
     let (config, sim) = parse_conf(&env_conf, conf.unwrap_or(""))?;
     if let Some(rt) = RUNTIME.get() {
         return Err(Error::InvalidState(format!(
@@ -760,60 +518,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn conf_is_split_and_merged() {
-        let (sim, rest) =
-            split_conf("sim_devices:2, growth:classic,roundup_power2_divisions:[256:1,>:4],");
-        assert_eq!(sim, vec![("sim_devices".into(), "2".into())]);
-        assert_eq!(rest, "growth:classic,roundup_power2_divisions:[256:1,>:4]");
+    fn conf_is_layered_over_the_environment() {
         let (c, s) = parse_conf(
             "growth:classic,sim_devices:3,memory_limit_mb:10",
             "growth:vmm,sim_memory_mb:64",
         )
         .unwrap();
         assert_eq!(c.growth, GrowthMode::Vmm, "conf wins over the environment");
-        assert_eq!(c.memory_limit, Some(10 * MIB));
+        assert_eq!(c.memory_limit, Some(10 << 20));
         assert_eq!(s.devices, 3);
-        assert_eq!(s.memory, 64 * MIB);
-    }
-
-    #[test]
-    fn defaults_lie_beneath_the_environment_and_conf() {
+        assert_eq!(s.memory, 64 << 20);
         let (c, _) = parse_conf("", "").unwrap();
         assert_eq!(
             c,
             Config::default(),
             "programs start from the core's defaults"
         );
-        let (c, _) = parse_conf("vmm_slack_percent:8", "").unwrap();
-        assert_eq!(
-            c.vmm_slack_percent, 8.0,
-            "the environment wins over the defaults"
-        );
-        assert_eq!(
-            c.vmm_page_size,
-            Config::default().vmm_page_size,
-            "and keeps the ones it does not name"
-        );
-        let (c, _) = parse_conf("vmm_page_mb:4", "vmm_page_mb:2").unwrap();
-        assert_eq!(c.vmm_page_size, Some(2 * MIB));
-    }
-
-    #[test]
-    fn bad_conf_names_the_key() {
-        let e = parse_conf("", "growth:vmm,bogus:1").unwrap_err();
-        assert!(matches!(&e, Error::Config(m) if m.contains("bogus")), "{e}");
         let e = parse_conf("sim_bogus:1", "").unwrap_err();
         assert!(matches!(&e, Error::Config(m) if m.contains("sim_bogus") && m.contains(ENV_CONF)));
-        assert!(parse_conf("", "sim_devices:0").is_err());
-        assert!(parse_conf("", "sim_devices:65").is_err());
-        assert!(parse_conf("", "sim_memory_mb:x").is_err());
-        assert!(parse_conf("", "sim_auto_complete:2").is_err());
-        assert!(parse_conf("", "sim_bytes:yes").is_err());
-        assert!(parse_conf("", "sim_bytes:1").unwrap().1.bytes);
-        assert!(
-            !parse_conf("", "").unwrap().1.bytes,
-            "accounts only by default"
-        );
+        let e = parse_conf("", "growth:vmm,bogus:1").unwrap_err();
+        assert!(matches!(&e, Error::Config(m) if m.contains("bogus")), "{e}");
     }
 
     #[test]
@@ -829,7 +553,7 @@ mod tests {
         .unwrap();
         let p0 = each!(rt.device(0).unwrap(), a => a.alloc(1 << 20, 0)).unwrap();
         let p1 = each!(rt.device(1).unwrap(), a => a.alloc(1 << 20, 0)).unwrap();
-        assert_ne!(p0 >> SIM_ADDRESS_SHIFT, p1 >> SIM_ADDRESS_SHIFT);
+        assert_ne!(p0 >> 56, p1 >> 56);
         assert_eq!(rt.on_owner(p1, |d| each!(d, a => a.free(p1))).unwrap().0, 1);
         assert_eq!(rt.on_owner(p0, |d| each!(d, a => a.free(p0))).unwrap().0, 0);
         assert!(matches!(

@@ -5,13 +5,13 @@
 use std::ffi::{c_int, c_void};
 
 use slotpool_core::{DevicePtr, MAX_REQUEST};
-use slotpool_sim::SimAccessError;
+use slotpool_sim::{SimAccessError, SimDevice};
 
 use crate::error::{Error, Result, ffi, sp_status};
-use crate::runtime::{DevAlloc, SimDev, runtime};
+use crate::runtime::{DevAlloc, runtime};
 
 /// The simulated device `device`, or why it cannot be accessed.
-fn sim(device: c_int) -> Result<&'static SimDev> {
+fn sim(device: c_int) -> Result<&'static SimDevice> {
     match runtime()?.device(device)? {
         DevAlloc::Sim(a) => Ok(a.device()),
         DevAlloc::Cuda(_) => Err(Error::BackendUnavailable(format!(
@@ -20,40 +20,35 @@ fn sim(device: c_int) -> Result<&'static SimDev> {
     }
 }
 
-/// Checks a length argument and that all of `[ptr, ptr + n)` is accessible on `d`; returns the
-/// address in the simulator's own space.
-fn span(d: &SimDev, device: c_int, ptr: DevicePtr, n: usize) -> Result<DevicePtr> {
+/// Checks a length argument and that all of `[ptr, ptr + n)` is accessible on `d`; returns
+/// `ptr`.
+fn span(d: &SimDevice, device: c_int, ptr: DevicePtr, n: usize) -> Result<DevicePtr> {
     if n as u64 > MAX_REQUEST {
         return Err(Error::InvalidArgument(format!(
             "length {n}: at most 2^56 bytes"
         )));
     }
-    let local = d.local(ptr);
-    d.inner
-        .check_access(local, n as u64)
-        .map_err(|e| access(e, device, ptr, local))?;
-    Ok(local)
+    d.check_access(ptr, n as u64)
+        .map_err(|e| access(e, device))?;
+    Ok(ptr)
 }
 
-/// The C ABI's error for a refused access, with addresses in the caller's space.
-fn access(e: SimAccessError, device: c_int, ptr: DevicePtr, local: DevicePtr) -> Error {
-    let caller = |addr: DevicePtr| ptr.wrapping_add(addr.wrapping_sub(local));
+/// The C ABI's error for a refused access.
+fn access(e: SimAccessError, device: c_int) -> Error {
     match e {
         SimAccessError::NoBacking => Error::BackendUnavailable(format!(
             "simulated device {device} keeps no bytes: initialise with the sim_bytes:1 \
              configuration key"
         )),
         SimAccessError::Unmapped { addr } => Error::InvalidArgument(format!(
-            "{:#x} is not inside mapped memory of device {device}",
-            caller(addr)
+            "{addr:#x} is not inside mapped memory of device {device}"
         )),
         SimAccessError::Mismatch {
             addr,
             expected,
             found,
         } => Error::InvalidState(format!(
-            "byte at {:#x} is {found:#04x}, the pattern says {expected:#04x}",
-            caller(addr)
+            "byte at {addr:#x} is {found:#04x}, the pattern says {expected:#04x}"
         )),
     }
 }
@@ -82,9 +77,7 @@ pub unsafe extern "C" fn sp_sim_write(
         }
         // SAFETY: non-null and valid for `n` reads by the caller's contract; `n` <= 2^56.
         let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), n) };
-        d.inner
-            .write(at, data)
-            .map_err(|e| access(e, device, dst as DevicePtr, at))
+        d.write(at, data).map_err(|e| access(e, device))
     })
 }
 
@@ -112,9 +105,7 @@ pub unsafe extern "C" fn sp_sim_read(
         }
         // SAFETY: non-null and valid for `n` writes by the caller's contract; `n` <= 2^56.
         let buf = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), n) };
-        d.inner
-            .read_into(at, buf)
-            .map_err(|e| access(e, device, src as DevicePtr, at))
+        d.read_into(at, buf).map_err(|e| access(e, device))
     })
 }
 
@@ -124,9 +115,7 @@ pub extern "C" fn sp_sim_fill(device: c_int, dst: *mut c_void, n: usize, seed: u
     ffi(|| {
         let d = sim(device)?;
         let at = span(d, device, dst as DevicePtr, n)?;
-        d.inner
-            .fill(at, n as u64, seed)
-            .map_err(|e| access(e, device, dst as DevicePtr, at))
+        d.fill(at, n as u64, seed).map_err(|e| access(e, device))
     })
 }
 
@@ -142,8 +131,6 @@ pub extern "C" fn sp_sim_verify(
     ffi(|| {
         let d = sim(device)?;
         let at = span(d, device, src as DevicePtr, n)?;
-        d.inner
-            .verify(at, n as u64, seed)
-            .map_err(|e| access(e, device, src as DevicePtr, at))
+        d.verify(at, n as u64, seed).map_err(|e| access(e, device))
     })
 }

@@ -39,7 +39,7 @@ fn checkpoint_restore_round_trip_and_delta() {
     let b = alloc_in(p, 5 * MIB);
     let mut delta = null_mut();
     // SAFETY: live handle, empty keep list, valid out-pointer.
-    ok(unsafe { sp_checkpoint_restore(SHARED, p, cp, null(), 0, &mut delta) });
+    ok(unsafe { sp_checkpoint_restore(cp, null(), 0, &mut delta) });
     assert_eq!(sp_delta_freed_count(delta), 1);
     assert_eq!(sp_delta_created_count(delta), 1);
     let (mut ptr, mut size) = (null_mut(), 0usize);
@@ -86,36 +86,42 @@ fn checkpoint_restore_round_trip_and_delta() {
     let keep = [c];
     // SAFETY: one readable pointer; NULL delta is allowed.
     expect(
-        unsafe { sp_checkpoint_restore(SHARED, p, cp, keep.as_ptr(), 1, null_mut()) },
+        unsafe { sp_checkpoint_restore(cp, keep.as_ptr(), 1, null_mut()) },
         sp_status::SP_ERR_INVALID_STATE,
     );
     assert!(last_error().contains("must stay live"), "{}", last_error());
     ok(sp_free(c));
-    // Another pool, another device: refused.
-    // SAFETY: live handle.
-    expect(
-        unsafe { sp_checkpoint_restore(SHARED, pool(9002), cp, null(), 0, null_mut()) },
-        sp_status::SP_ERR_INVALID_ARGUMENT,
-    );
-    // SAFETY: live handle.
-    expect(
-        unsafe { sp_checkpoint_restore(SECOND, p, cp, null(), 0, null_mut()) },
-        sp_status::SP_ERR_INVALID_ARGUMENT,
-    );
+    // The checkpoint names its device and pool; each out-pointer may be NULL.
+    let (mut dev, mut id) = (-7, pool(1));
+    // SAFETY: live handle, valid out-pointers.
+    ok(unsafe { sp_checkpoint_info(cp, &mut dev, &mut id) });
+    assert_eq!((dev, id), (SHARED, p));
+    // SAFETY: live handle, NULL out-pointers.
+    ok(unsafe { sp_checkpoint_info(cp, null_mut(), null_mut()) });
+    let fake = 0x1234usize as *const sp_checkpoint;
+    let (mut dev, mut id) = (-7, pool(1));
+    for bad in [null(), fake] {
+        // SAFETY: handles the registry refuses, valid out-pointers.
+        expect(
+            unsafe { sp_checkpoint_info(bad, &mut dev, &mut id) },
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        assert_eq!((dev, id), (-7, pool(1)), "nothing written");
+    }
     // SAFETY: NULL handle.
     expect(
-        unsafe { sp_checkpoint_restore(SHARED, p, null(), null(), 0, null_mut()) },
+        unsafe { sp_checkpoint_restore(null(), null(), 0, null_mut()) },
         sp_status::SP_ERR_INVALID_ARGUMENT,
     );
     let fake = 0x1234usize as *const sp_checkpoint;
     expect(
         // SAFETY: a pointer that is not a handle is refused by the registry, never read.
-        unsafe { sp_checkpoint_restore(SHARED, p, fake, null(), 0, null_mut()) },
+        unsafe { sp_checkpoint_restore(fake, null(), 0, null_mut()) },
         sp_status::SP_ERR_INVALID_ARGUMENT,
     );
     // SAFETY: non-zero count with a NULL list.
     expect(
-        unsafe { sp_checkpoint_restore(SHARED, p, cp, null(), 3, null_mut()) },
+        unsafe { sp_checkpoint_restore(cp, null(), 3, null_mut()) },
         sp_status::SP_ERR_INVALID_ARGUMENT,
     );
     // SAFETY: live handle, then freed twice.
@@ -139,6 +145,132 @@ fn checkpoint_restore_round_trip_and_delta() {
         sp_status::SP_ERR_UNKNOWN_POOL,
     );
     assert!(cp2.is_null());
+}
+
+/// The per-index readers' entries of both lists of a delta.
+fn delta_by_index(delta: *const sp_restore_delta, created: bool) -> Vec<(*mut c_void, usize)> {
+    let n = if created {
+        sp_delta_created_count(delta)
+    } else {
+        sp_delta_freed_count(delta)
+    };
+    (0..n)
+        .map(|i| {
+            let (mut p, mut s) = (null_mut(), 0usize);
+            // SAFETY: live handle, index in range, valid out-pointers.
+            ok(unsafe {
+                if created {
+                    sp_delta_created(delta, i, &mut p, &mut s)
+                } else {
+                    sp_delta_freed(delta, i, &mut p, &mut s)
+                }
+            });
+            (p, s)
+        })
+        .collect()
+}
+
+#[test]
+fn delta_entries_reads_a_list_in_one_call() {
+    let p = pool(9002);
+    // SAFETY: NULL options and count are allowed.
+    ok(unsafe { sp_pool_create_or_incref(SHARED, p, null(), null_mut()) });
+    let old: Vec<_> = (1..=6).map(|i| alloc_in(p, i * MIB)).collect();
+    let mut cp = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_checkpoint_take(SHARED, p, &mut cp) });
+    for &a in &old[..3] {
+        ok(sp_free(a));
+    }
+    let new: Vec<_> = (1..=4).map(|i| alloc_in(p, 7 * MIB + i * 4096)).collect();
+    let mut delta = null_mut();
+    // SAFETY: live handle, empty keep list, valid out-pointer.
+    ok(unsafe { sp_checkpoint_restore(cp, null(), 0, &mut delta) });
+    for (created, want) in [(false, new.len()), (true, 3)] {
+        let by_index = delta_by_index(delta, created);
+        assert_eq!(by_index.len(), want);
+        let (mut ptrs, mut sizes, mut total) = (vec![null_mut(); want + 2], vec![0; want + 2], 0);
+        // SAFETY: live handle, buffers of cap entries, valid total.
+        ok(unsafe {
+            sp_delta_entries(
+                delta,
+                created as i32,
+                ptrs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                want + 2,
+                &mut total,
+            )
+        });
+        assert_eq!(total, want);
+        let bulk: Vec<_> = ptrs
+            .iter()
+            .copied()
+            .zip(sizes.iter().copied())
+            .take(want)
+            .collect();
+        assert_eq!(bulk, by_index);
+        assert!(
+            ptrs[want..].iter().all(|p| p.is_null()),
+            "nothing written past the total"
+        );
+        // A short buffer gets the first entries and the full length; sizes may be NULL.
+        let mut short = [null_mut(); 2];
+        // SAFETY: buffer of 2 entries, NULL sizes, valid total.
+        ok(unsafe {
+            sp_delta_entries(
+                delta,
+                created as i32,
+                short.as_mut_ptr(),
+                null_mut(),
+                2,
+                &mut total,
+            )
+        });
+        assert_eq!(
+            (total, &short[..]),
+            (want, &[by_index[0].0, by_index[1].0][..])
+        );
+        // Length only.
+        // SAFETY: no buffer with cap 0, valid total.
+        ok(unsafe {
+            sp_delta_entries(delta, created as i32, null_mut(), null_mut(), 0, &mut total)
+        });
+        assert_eq!(total, want);
+    }
+    let mut total = 77usize;
+    // SAFETY: NULL buffer with cap > 0, and NULL total: both refused, nothing written.
+    expect(
+        unsafe { sp_delta_entries(delta, 0, null_mut(), null_mut(), 3, &mut total) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    let mut one = [null_mut(); 1];
+    // SAFETY: as above.
+    expect(
+        unsafe { sp_delta_entries(delta, 0, one.as_mut_ptr(), null_mut(), 1, null_mut()) },
+        sp_status::SP_ERR_INVALID_ARGUMENT,
+    );
+    assert_eq!((total, one[0]), (77, null_mut()));
+    // SAFETY: live handle; then the freed handle and one of another kind are refused.
+    ok(unsafe { sp_delta_free(delta) });
+    for bad in [
+        delta as *const sp_restore_delta,
+        cp as *const sp_restore_delta,
+    ] {
+        // SAFETY: handles the registry refuses, never read.
+        expect(
+            unsafe { sp_delta_entries(bad, 0, one.as_mut_ptr(), null_mut(), 1, &mut total) },
+            sp_status::SP_ERR_INVALID_ARGUMENT,
+        );
+        assert_eq!((total, one[0]), (77, null_mut()), "nothing written");
+    }
+    // SAFETY: live handle.
+    ok(unsafe { sp_checkpoint_free(cp) });
+    for &a in &old[..3] {
+        ok(sp_free(a));
+    }
+    for &a in &old[3..] {
+        ok(sp_free(a));
+    }
 }
 
 #[test]

@@ -47,7 +47,7 @@ fn delta(p: sp_pool_id, cp: *const sp_checkpoint) -> *mut sp_restore_delta {
     alloc_in(p, MIB);
     let mut d = null_mut();
     // SAFETY: a live handle; valid out-pointer.
-    ok(unsafe { sp_checkpoint_restore(SHARED, p, cp, null(), 0, &mut d) });
+    ok(unsafe { sp_checkpoint_restore(cp, null(), 0, &mut d) });
     assert!(!d.is_null());
     assert!(sp_delta_freed_count(d) >= 1);
     d
@@ -87,23 +87,39 @@ fn a_handle_of_one_kind_is_refused_where_another_is_expected() {
     let cp = checkpoint(p);
     let d = delta(p, cp);
     let g = group(pool(31_002), 2);
+    let s = snapshot();
     let before = state(p);
     let as_cp = |x: *mut c_void| x as *mut sp_checkpoint;
     let as_d = |x: *mut c_void| x as *mut sp_restore_delta;
     let as_g = |x: *mut c_void| x as *mut sp_variant_group;
-    let (cpv, dv, gv) = (cp.cast::<c_void>(), d.cast::<c_void>(), g.cast::<c_void>());
-    for other in [dv, gv] {
+    let as_s = |x: *mut c_void| x as *mut sp_snapshot;
+    let (cpv, dv, gv, sv) = (
+        cp.cast::<c_void>(),
+        d.cast::<c_void>(),
+        g.cast::<c_void>(),
+        s.cast::<c_void>(),
+    );
+    for other in [dv, gv, sv] {
+        let (mut dev, mut id) = (-7, pool(1));
         // SAFETY: every call below gets a value that is a live handle of another kind; the
         // registry refuses it before anything is read through it.
         unsafe {
             refused(sp_checkpoint_free(as_cp(other)), "not a checkpoint");
             refused(
-                sp_checkpoint_restore(SHARED, p, as_cp(other), null(), 0, null_mut()),
+                sp_checkpoint_restore(as_cp(other), null(), 0, null_mut()),
+                "not a checkpoint",
+            );
+            refused(
+                sp_checkpoint_info(as_cp(other), &mut dev, &mut id),
                 "not a checkpoint",
             );
         }
+        assert_eq!((dev, id), (-7, pool(1)), "nothing written");
     }
-    for other in [cpv, gv] {
+    for other in [cpv, dv, gv] {
+        snapshot_refused(as_s(other), "not a snapshot");
+    }
+    for other in [cpv, gv, sv] {
         // SAFETY: as above.
         unsafe {
             refused(sp_delta_free(as_d(other)), "not a restore delta");
@@ -125,7 +141,7 @@ fn a_handle_of_one_kind_is_refused_where_another_is_expected() {
         );
         assert_eq!(sp_delta_created_count(as_d(other)), 0);
     }
-    for other in [cpv, dv] {
+    for other in [cpv, dv, sv] {
         // SAFETY: as above.
         unsafe {
             refused(sp_variant_group_free(as_g(other)), "not a variant group");
@@ -144,12 +160,59 @@ fn a_handle_of_one_kind_is_refused_where_another_is_expected() {
     unsafe {
         ok(sp_variant_begin(g, 1, null_mut()));
         ok(sp_variant_end(g));
-        ok(sp_checkpoint_restore(SHARED, p, cp, null(), 0, null_mut()));
+        ok(sp_checkpoint_restore(cp, null(), 0, null_mut()));
         ok(sp_delta_free(d));
         ok(sp_checkpoint_free(cp));
         ok(sp_variant_group_free(g));
+        assert!(sp_snapshot_segment_count(s) >= 1);
+        ok(sp_snapshot_free(s));
     }
     ok(sp_check_invariants(SHARED));
+}
+
+/// A snapshot of the shared device.
+fn snapshot() -> *mut sp_snapshot {
+    let mut s = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { sp_snapshot_take(SHARED, 1, &mut s) });
+    assert!(!s.is_null());
+    s
+}
+
+/// Every snapshot call refuses `s` with a message containing `what` and writes nothing.
+#[track_caller]
+fn snapshot_refused(s: *mut sp_snapshot, what: &str) {
+    let mut seg = sp_segment_view {
+        device: -7,
+        ..sp_segment_view::default()
+    };
+    let mut block = sp_block_view {
+        address: 7,
+        state: sp_block_state(-1),
+        ..sp_block_view::default()
+    };
+    let mut event = sp_trace_event {
+        action: sp_trace_action(-1),
+        device: -7,
+        ..sp_trace_event::default()
+    };
+    let (seg0, block0, event0) = (seg, block, event);
+    // SAFETY: `s` is checked by the registry before use; out-pointers are valid.
+    unsafe {
+        refused(sp_snapshot_segment(s, 0, &mut seg), what);
+        refused(sp_snapshot_block(s, 0, 0, &mut block), what);
+        refused(sp_snapshot_trace(s, 0, &mut event), what);
+        assert_eq!(sp_snapshot_segment_count(s), 0);
+        assert!(last_error().contains(what), "{}", last_error());
+        assert_eq!(sp_snapshot_trace_count(s), 0);
+        assert!(last_error().contains(what), "{}", last_error());
+        refused(sp_snapshot_free(s), what);
+    }
+    assert_eq!(
+        (seg, block, event),
+        (seg0, block0, event0),
+        "nothing written"
+    );
 }
 
 #[test]
@@ -172,10 +235,7 @@ fn a_freed_handle_stays_refused_after_its_slot_is_reused() {
     let before = state(p);
     // SAFETY: a freed handle is refused, never read.
     unsafe {
-        refused(
-            sp_checkpoint_restore(SHARED, p, old, null(), 0, null_mut()),
-            "freed",
-        );
+        refused(sp_checkpoint_restore(old, null(), 0, null_mut()), "freed");
         refused(sp_checkpoint_free(old), "freed");
     }
     assert_eq!(state(p), before);
@@ -190,6 +250,13 @@ fn a_freed_handle_stays_refused_after_its_slot_is_reused() {
         ok(sp_variant_group_free(g));
         refused(sp_variant_begin(g, 0, null_mut()), "freed");
         refused(sp_variant_group_free(g), "freed");
+        let s = snapshot();
+        ok(sp_snapshot_free(s));
+        // Whatever a new snapshot's slot is, the old handle stays dead.
+        let again = snapshot();
+        assert_ne!(again, s);
+        snapshot_refused(s, "freed");
+        ok(sp_snapshot_free(again));
     }
     for cp in fresh {
         // SAFETY: live handles.
@@ -214,14 +281,7 @@ fn made_up_handles_are_refused() {
         // SAFETY: values that are not handles are refused, never read.
         unsafe {
             expect(
-                sp_checkpoint_restore(
-                    SHARED,
-                    pool(1),
-                    v as *const sp_checkpoint,
-                    null(),
-                    0,
-                    null_mut(),
-                ),
+                sp_checkpoint_restore(v as *const sp_checkpoint, null(), 0, null_mut()),
                 INVALID,
             );
             expect(sp_checkpoint_free(v as *mut sp_checkpoint), INVALID);
@@ -234,6 +294,7 @@ fn made_up_handles_are_refused() {
             expect(sp_variant_group_free(v as *mut sp_variant_group), INVALID);
         }
         assert_eq!(sp_delta_created_count(v as *const sp_restore_delta), 0);
+        snapshot_refused(v as *mut sp_snapshot, "never returned by slotpool");
     }
     // NULL: the _free functions accept it, the others refuse it.
     // SAFETY: NULL handles.
@@ -241,8 +302,13 @@ fn made_up_handles_are_refused() {
         ok(sp_checkpoint_free(null_mut()));
         ok(sp_delta_free(null_mut()));
         ok(sp_variant_group_free(null_mut()));
+        ok(sp_snapshot_free(null_mut()));
         refused(sp_variant_end(null()), "NULL");
+        refused(sp_checkpoint_info(null(), null_mut(), null_mut()), "NULL");
+        let mut seg = sp_segment_view::default();
+        refused(sp_snapshot_segment(null(), 0, &mut seg), "NULL");
     }
+    assert_eq!(sp_snapshot_segment_count(null()), 0);
 }
 
 #[test]
@@ -256,8 +322,7 @@ fn a_handle_freed_on_another_thread_while_in_use_is_never_read_after_free() {
         let user = std::thread::spawn(move || {
             // SAFETY: a handle that another thread may free meanwhile: either call succeeds or
             // it is refused as freed.
-            let s =
-                unsafe { sp_checkpoint_restore(SHARED, p, cp as *const _, null(), 0, null_mut()) };
+            let s = unsafe { sp_checkpoint_restore(cp as *const _, null(), 0, null_mut()) };
             assert!(
                 s == sp_status::SP_OK || s == INVALID,
                 "{s:?}: {}",
@@ -290,7 +355,7 @@ fn pointer_lists_too_long_for_any_device_are_refused() {
         // SAFETY: a list whose length no device can have is refused before it is read.
         unsafe {
             refused(
-                sp_checkpoint_restore(SHARED, p, cp, keep.as_ptr(), n, null_mut()),
+                sp_checkpoint_restore(cp, keep.as_ptr(), n, null_mut()),
                 "entries",
             );
             refused(sp_pool_verify_live(SHARED, p, keep.as_ptr(), n), "entries");
@@ -301,14 +366,7 @@ fn pointer_lists_too_long_for_any_device_are_refused() {
     // SAFETY: one readable pointer.
     unsafe {
         ok(sp_pool_verify_live(SHARED, p, keep.as_ptr(), 1));
-        ok(sp_checkpoint_restore(
-            SHARED,
-            p,
-            cp,
-            keep.as_ptr(),
-            1,
-            null_mut(),
-        ));
+        ok(sp_checkpoint_restore(cp, keep.as_ptr(), 1, null_mut()));
         ok(sp_checkpoint_free(cp));
     }
     ok(sp_free(a));

@@ -290,7 +290,7 @@ fn comment_stripping_and_name_scan() {
 
 #[test]
 fn status_codes_and_names_match_the_header() {
-    // The header's `typedef enum sp_status { ... }` against the one list of codes in error.rs,
+    // The header's `typedef enum sp_status { ... }` against slotpool-abi's one list of codes,
     // which sp_status_name's names come from.
     let hand = strip_comments(&std::fs::read_to_string(header_path()).unwrap());
     let start = hand
@@ -304,10 +304,118 @@ fn status_codes_and_names_match_the_header() {
             Some((name.trim().to_string(), value.trim().parse().unwrap()))
         })
         .collect();
-    let named: Vec<(String, i32)> = slotpool::error::STATUS_NAMES
+    let named: Vec<(String, i32)> = slotpool::sp_status::ALL
         .iter()
-        .map(|(code, name)| (name.to_str().unwrap().to_string(), *code as i32))
+        .map(|code| (code.name().to_str().unwrap().to_string(), code.code()))
         .collect();
-    assert_eq!(declared, named, "slotpool.h's sp_status vs error.rs");
+    assert_eq!(declared, named, "slotpool.h's sp_status vs slotpool-abi");
     assert!(declared.len() >= 12, "{declared:?}");
+}
+
+/// `(type, size, [(field, offset)])` of each listed `#[repr(C)]` type, as Rust lays it out.
+macro_rules! layouts {
+    ($($ty:ident { $($field:ident),* $(,)? })*) => {
+        vec![$((
+            stringify!($ty),
+            size_of::<slotpool::$ty>(),
+            vec![$((stringify!($field), std::mem::offset_of!(slotpool::$ty, $field))),*],
+        )),*]
+    };
+}
+
+#[test]
+fn struct_layouts_and_enum_values_match_the_header() {
+    // A C program prints the size and every field offset of each struct and the value of each
+    // enum constant as the header declares them; slotpool-abi's types must say the same.
+    let layouts = layouts! {
+        sp_pool_id { a, b }
+        sp_pool_options { no_split, use_on_oom, limit_bytes, pausable }
+        sp_stat { current, peak, allocated, freed }
+        sp_stat_array { all, small_pool, large_pool }
+        sp_memory_stats {
+            allocation, segment, active, inactive_split, allocated_bytes, reserved_bytes,
+            active_bytes, inactive_split_bytes, requested_bytes, num_alloc_retries, num_ooms,
+            num_sync_all_streams, num_device_alloc, num_device_free, oversize_allocations,
+            oversize_segments, max_split_size, reserved_paused_bytes,
+        }
+        sp_backend_calls {
+            alloc_segment, free_segment, reserve, release_reservation, create_page, release_page,
+            map, unmap, create_event, record_event, query_event, synchronize,
+        }
+        sp_trace_event { action, device, addr, size, stream, time_us }
+        sp_allocation { ptr, size, requested_size, stream }
+        sp_segment_view {
+            device, is_large, is_expandable, reserved0, address, total_size, stream, pool,
+            block_count,
+        }
+        sp_block_view { address, size, requested_size, state }
+    };
+    use slotpool::{sp_block_state as B, sp_route_kind as R, sp_trace_action as T};
+    let mut enums: Vec<(String, i32)> = slotpool::sp_status::ALL
+        .iter()
+        .map(|c| (c.name().to_str().unwrap().to_string(), c.code()))
+        .collect();
+    for (name, v) in [
+        ("SP_ROUTE_ALL", R::SP_ROUTE_ALL.0),
+        ("SP_ROUTE_CURRENT_THREAD", R::SP_ROUTE_CURRENT_THREAD.0),
+        ("SP_ROUTE_STREAM", R::SP_ROUTE_STREAM.0),
+        ("SP_ROUTE_CAPTURE", R::SP_ROUTE_CAPTURE.0),
+        ("SP_TRACE_ALLOC", T::SP_TRACE_ALLOC.0),
+        ("SP_TRACE_FREE_REQUESTED", T::SP_TRACE_FREE_REQUESTED.0),
+        ("SP_TRACE_FREE_COMPLETED", T::SP_TRACE_FREE_COMPLETED.0),
+        ("SP_TRACE_SEGMENT_ALLOC", T::SP_TRACE_SEGMENT_ALLOC.0),
+        ("SP_TRACE_SEGMENT_FREE", T::SP_TRACE_SEGMENT_FREE.0),
+        ("SP_TRACE_SEGMENT_MAP", T::SP_TRACE_SEGMENT_MAP.0),
+        ("SP_TRACE_SEGMENT_UNMAP", T::SP_TRACE_SEGMENT_UNMAP.0),
+        ("SP_TRACE_OOM", T::SP_TRACE_OOM.0),
+        ("SP_BLOCK_INACTIVE", B::SP_BLOCK_INACTIVE.0),
+        ("SP_BLOCK_ACTIVE_ALLOCATED", B::SP_BLOCK_ACTIVE_ALLOCATED.0),
+        (
+            "SP_BLOCK_ACTIVE_PENDING_FREE",
+            B::SP_BLOCK_ACTIVE_PENDING_FREE.0,
+        ),
+    ] {
+        enums.push((name.to_string(), v));
+    }
+    let mut want = Vec::new();
+    let mut c = String::from(
+        "#include <stddef.h>\n#include <stdio.h>\n#include \"slotpool.h\"\nint main(void) {\n",
+    );
+    for (ty, size, fields) in &layouts {
+        want.push(format!("{ty} {size}"));
+        c += &format!("  printf(\"{ty} %zu\\n\", sizeof({ty}));\n");
+        for (f, off) in fields {
+            want.push(format!("{ty}.{f} {off}"));
+            c += &format!("  printf(\"{ty}.{f} %zu\\n\", offsetof({ty}, {f}));\n");
+        }
+    }
+    for (name, v) in &enums {
+        want.push(format!("{name} {v}"));
+        c += &format!("  printf(\"{name} %d\\n\", (int){name});\n");
+    }
+    c += "  return 0;\n}\n";
+    if !have_tool("cc") {
+        return;
+    }
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("header-layout");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src, exe) = (dir.join("layout.c"), dir.join("layout"));
+    std::fs::write(&src, c).unwrap();
+    compile(
+        Command::new("cc")
+            .args(["-std=c11", "-Wall", "-Werror", "-I"])
+            .arg(repo_root().join("include"))
+            .arg(&src)
+            .arg("-o")
+            .arg(&exe),
+        "cc layout.c",
+    );
+    let out = Command::new(&exe).output().unwrap();
+    assert!(out.status.success());
+    let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(got, want, "slotpool.h (left) vs slotpool-abi (right)");
+    assert!(want.len() > 100, "{} facts compared", want.len());
 }

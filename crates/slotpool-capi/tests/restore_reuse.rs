@@ -32,7 +32,7 @@ fn a_block_reallocated_at_the_same_address_is_freed_and_recreated_by_a_restore()
     assert_eq!(new, old, "the freed block's address is reused");
     let mut d = null_mut();
     // SAFETY: a live handle; valid out-pointer.
-    ok(unsafe { sp_checkpoint_restore(SHARED, p, cp, null(), 0, &mut d) });
+    ok(unsafe { sp_checkpoint_restore(cp, null(), 0, &mut d) });
     let entry = |freed: bool| {
         let (mut ptr, mut size) = (null_mut(), 0);
         // SAFETY: a live delta; valid out-pointers.

@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 use slotpool_cli::help::replay_after_help;
 use slotpool_cli::plot::write_svg;
-use slotpool_cli::settings::{ENV_CONF, ENV_LOG, Layers, growth_name, replay_defaults, resolve};
+use slotpool_cli::settings::{ENV_LOG, Layers, growth_name, replay_defaults, resolve};
 use slotpool_cli::variants::{VariantMode, replay_variants_with};
 use slotpool_cli::{
     Action, ReadOptions, ReplayOptions, ReplayReport, ReplayTarget, SlotpoolTarget, Trace,
@@ -152,7 +152,7 @@ const PROGRESS_MIN_OPS: u64 = 100_000;
 const PROGRESS_MIN_BYTES: u64 = 256 << 10;
 
 fn run_replay(args: &ReplayArgs) -> Result<(), String> {
-    let env_conf = std::env::var(ENV_CONF).ok();
+    let env_conf = slotpool_core::layers::env_conf();
     let config = resolve(
         replay_defaults(),
         &Layers {

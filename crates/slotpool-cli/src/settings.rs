@@ -1,20 +1,16 @@
 //! The configuration a replay runs with, layered as the library layers it, and the flag
 //! combinations that are refused.
 //!
-//! Layers, each over the one before: the replay's defaults ([`replay_defaults`]), the
-//! `SLOTPOOL_CONF` environment variable, `--conf`, then `--mode` for the growth mode. Every layer
-//! is parsed by [`Config::apply`]; a layer that does not parse is an error naming it. `--mode`
+//! Layers, each over the one before: the program defaults ([`replay_defaults`]), the
+//! `SLOTPOOL_CONF` environment variable, `--conf` (the library's layers,
+//! [`slotpool_core::layers`]), then `--mode` for the growth mode. A layer that does not parse is
+//! an error naming it. `--mode`
 //! and a `--conf` that sets the growth mode (`growth:` or `expandable_segments:`) must agree, and
 //! a variant replay (`--variants`) runs in vmm growth only: a combination that says otherwise is
 //! refused rather than one side silently winning.
 
-use slotpool_core::{Config, GrowthMode};
-
-/// The environment variable with a configuration string, as the library reads it.
-pub const ENV_CONF: &str = "SLOTPOOL_CONF";
-/// The environment variable with a `tracing` filter (`info`, `slotpool_core=debug`) that turns
-/// logging to stderr on, as in the library.
-pub const ENV_LOG: &str = "SLOTPOOL_LOG";
+pub use slotpool_core::layers::{ENV_CONF, ENV_LOG};
+use slotpool_core::{Config, GrowthMode, Layer};
 
 /// The configuration a replay starts from, before `SLOTPOOL_CONF` and `--conf`.
 pub fn replay_defaults() -> Config {
@@ -61,13 +57,17 @@ fn growth_set_by(conf: &str) -> Option<GrowthMode> {
 /// The configuration in effect, or a one-line reason why the layers cannot be combined.
 pub fn resolve(defaults: Config, layers: &Layers<'_>) -> Result<Config, String> {
     let mut config = defaults;
-    let env = layers.env.filter(|e| !e.trim().is_empty());
-    if let Some(env) = env {
-        config.apply(env).map_err(|e| format!("{ENV_CONF}: {e}"))?;
-    }
-    if let Some(conf) = layers.conf {
-        config.apply(conf).map_err(|e| format!("--conf: {e}"))?;
-    }
+    let text = [
+        Layer {
+            source: ENV_CONF,
+            text: layers.env.unwrap_or(""),
+        },
+        Layer {
+            source: "--conf",
+            text: layers.conf.unwrap_or(""),
+        },
+    ];
+    config.apply_layers(&text, None).map_err(|e| e.0)?;
     let conf_growth = layers.conf.and_then(growth_set_by);
     if let (Some(mode), Some(conf)) = (layers.mode, conf_growth)
         && mode != conf

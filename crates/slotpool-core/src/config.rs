@@ -314,7 +314,7 @@ impl std::fmt::Display for Config {
     }
 }
 
-fn split_pairs(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
+pub(crate) fn split_pairs(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
     let mut out = Vec::new();
     let mut depth = 0i32;
     let mut cur = String::new();

@@ -9,37 +9,10 @@ use crate::device::{
     CaptureStatus, Device, DevicePtr, DeviceResult, EventHandle, HostBuffer, PageHandle, StreamId,
 };
 
-/// Backend calls made so far, by kind. `map` counts pages (a run of n pages is n maps).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct BackendCalls {
-    pub alloc_segment: u64,
-    pub free_segment: u64,
-    pub reserve: u64,
-    pub release_reservation: u64,
-    pub create_page: u64,
-    pub release_page: u64,
-    pub map: u64,
-    pub unmap: u64,
-    pub create_event: u64,
-    pub record_event: u64,
-    pub query_event: u64,
-    /// `synchronize_event` and `synchronize`.
-    pub synchronize: u64,
-}
-
-impl BackendCalls {
-    /// The counts that change memory (segments, reservations, pages, mappings), summed.
-    pub fn memory_calls(&self) -> u64 {
-        self.alloc_segment
-            + self.free_segment
-            + self.reserve
-            + self.release_reservation
-            + self.create_page
-            + self.release_page
-            + self.map
-            + self.unmap
-    }
-}
+/// Backend calls made so far, by kind. `map` counts pages (a run of n pages is n maps);
+/// `synchronize` counts `synchronize_event` and `synchronize`. The C ABI's `sp_backend_calls`
+/// itself (slotpool-abi), so that its fields are written once and reach C unconverted.
+pub type BackendCalls = slotpool_abi::sp_backend_calls;
 
 const KINDS: usize = 12;
 

@@ -33,6 +33,7 @@ pub mod error;
 mod free_index;
 pub mod history;
 pub mod id_slab;
+pub mod layers;
 mod live_map;
 mod paged;
 pub use allocator::pause;
@@ -46,6 +47,7 @@ mod sort;
 pub mod stats;
 pub mod sync;
 
+pub use allocator::LiveAllocation;
 pub use allocator::VariantGroup;
 pub use allocator::{Allocator, SharedPages};
 pub use arena::{ArenaId, ArenaReport, Overlap};
@@ -59,6 +61,7 @@ pub use device::{
 };
 pub use error::{AllocError, AllocResult, OomReport};
 pub use history::{TraceAction, TraceEntry, TraceSink};
+pub use layers::{KeyOwner, Layer};
 pub use pause::{PauseMode, PauseState};
 pub use pool::{PoolId, PoolOptions};
 pub use route::{RouteFilter, current_thread_id};

@@ -27,6 +27,7 @@ const CHAIN: &[&str] = &[
     "history",
     "route",
     "config",
+    "layers",
     "block_slab",
     "free_index",
     "live_map",

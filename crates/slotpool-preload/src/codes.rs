@@ -4,6 +4,8 @@
 
 use std::ffi::c_int;
 
+use slotpool_abi::sp_status;
+
 // ------------------------------------------------------------------------------------------------
 // CUDA (`cudaError_t` of the runtime API and `CUresult` of the driver API are both C enums, `int`)
 
@@ -43,18 +45,21 @@ pub fn per_thread_stream(stream: u64) -> u64 {
 // ------------------------------------------------------------------------------------------------
 // slotpool (`sp_status` of include/slotpool.h)
 
+// The numbers are slotpool-abi's; the `c_int` forms compare with what a C function pointer into
+// `libslotpool.so` returns (any `int`, so never read as the enum).
+
 /// `SP_OK`.
-pub const SP_OK: c_int = 0;
+pub const SP_OK: c_int = sp_status::SP_OK.code();
 /// `SP_ERR_INVALID_ARGUMENT`.
-pub const SP_ERR_INVALID_ARGUMENT: c_int = 1;
+pub const SP_ERR_INVALID_ARGUMENT: c_int = sp_status::SP_ERR_INVALID_ARGUMENT.code();
 /// `SP_ERR_OUT_OF_MEMORY`.
-pub const SP_ERR_OUT_OF_MEMORY: c_int = 2;
+pub const SP_ERR_OUT_OF_MEMORY: c_int = sp_status::SP_ERR_OUT_OF_MEMORY.code();
 /// `SP_ERR_UNKNOWN_POINTER`.
-pub const SP_ERR_UNKNOWN_POINTER: c_int = 3;
+pub const SP_ERR_UNKNOWN_POINTER: c_int = sp_status::SP_ERR_UNKNOWN_POINTER.code();
 /// `SP_ERR_INVALID_STATE`.
-pub const SP_ERR_INVALID_STATE: c_int = 5;
+pub const SP_ERR_INVALID_STATE: c_int = sp_status::SP_ERR_INVALID_STATE.code();
 /// `SP_ERR_SHUTDOWN`.
-pub const SP_ERR_SHUTDOWN: c_int = 9;
+pub const SP_ERR_SHUTDOWN: c_int = sp_status::SP_ERR_SHUTDOWN.code();
 
 /// What an allocation hook does with slotpool's answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

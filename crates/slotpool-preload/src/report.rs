@@ -185,7 +185,7 @@ pub fn summary() -> Option<String> {
 
 /// Whether `SLOTPOOL_LOG` is set (to anything non-empty).
 pub fn log_enabled() -> bool {
-    std::env::var_os("SLOTPOOL_LOG").is_some_and(|v| !v.is_empty())
+    std::env::var_os(slotpool_abi::env::LOG).is_some_and(|v| !v.is_empty())
 }
 
 /// Runs at `exit()` (see the module documentation).

@@ -49,12 +49,12 @@ use crate::codes::{
 use crate::report;
 
 /// Environment variable: an explicit path of `libslotpool.so`.
-pub const ENV_LIBRARY: &str = "SLOTPOOL_LIBRARY";
+pub const ENV_LIBRARY: &str = slotpool_abi::env::LIBRARY;
 /// Environment variable: the backend (`cuda`, `sim`, `auto`), read here and by `libslotpool.so`.
-pub const ENV_BACKEND: &str = "SLOTPOOL_BACKEND";
+pub const ENV_BACKEND: &str = slotpool_abi::env::BACKEND;
 /// Environment variable: `1` makes a served `cudaFree`/`cuMemFree_v2` synchronise the device
 /// first, as the real ones do (see docs/preload.md).
-pub const ENV_SYNC_FREE: &str = "SLOTPOOL_PRELOAD_SYNC_FREE";
+pub const ENV_SYNC_FREE: &str = slotpool_abi::env::PRELOAD_SYNC_FREE;
 /// The SONAME of slotpool's C ABI library (see crates/slotpool-capi/build.rs).
 const SONAME: &CStr = c"libslotpool.so.0";
 /// The file names looked for beside this library, in order: the installed name, then cargo's.

@@ -11,6 +11,7 @@ mod capture;
 mod config;
 mod faults;
 mod host;
+pub mod keys;
 mod memory;
 mod streams;
 #[cfg(test)]
@@ -26,6 +27,7 @@ use slotpool_core::{
 pub use bytes::pattern_byte;
 pub use config::{Backing, SimConfig};
 pub use faults::CallKind;
+pub use keys::SimOptions;
 pub use memory::{PAGE_POISON, SimAccessError};
 
 use capture::Captures;
@@ -144,6 +146,22 @@ impl SimDevice {
     pub fn new(config: SimConfig) -> DeviceResult<Self> {
         config.validate()?;
         Ok(SimDevice::from_valid(config))
+    }
+
+    /// Builds a device whose addresses all lie `offset` bytes above those of [`SimDevice::new`]'s,
+    /// so that several devices of one process never hand out the same pointer (CUDA's unified
+    /// addressing gives real devices that guarantee). `offset` must be a multiple of the page size.
+    pub fn with_address_offset(config: SimConfig, offset: DevicePtr) -> DeviceResult<Self> {
+        config.validate()?;
+        if !offset.is_multiple_of(config.page_size) || offset.checked_add(1 << 48).is_none() {
+            return Err(DeviceError::InvalidArgument(format!(
+                "address offset {offset:#x}: must be a multiple of the page size {:#x} below 2^64 - 2^48",
+                config.page_size
+            )));
+        }
+        let dev = SimDevice::from_valid(config);
+        dev.lock().memory.next_addr += offset;
+        Ok(dev)
     }
 
     fn from_valid(config: SimConfig) -> Self {

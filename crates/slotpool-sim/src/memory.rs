@@ -92,7 +92,7 @@ pub(crate) struct Memory {
     pub(crate) total: u64,
     backing: Backing,
     /// Where the next range may start (before alignment).
-    next_addr: DevicePtr,
+    pub(crate) next_addr: DevicePtr,
     /// Start address -> range. Ranges never overlap.
     ranges: BTreeMap<DevicePtr, Range>,
     pages: HashMap<PageHandle, Page>,

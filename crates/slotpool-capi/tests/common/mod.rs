@@ -7,6 +7,8 @@ use std::sync::{Mutex, MutexGuard, Once, PoisonError};
 
 use slotpool::*;
 
+pub mod views;
+
 /// Devices of the main test binary: 0 shared by every test, 1 for multi-device tests (one of
 /// which checks the allocator's invariants, so they need it to themselves), 2 for tests that
 /// need the device-wide state to themselves (statistics, routes, snapshot), 3 for memory-limit

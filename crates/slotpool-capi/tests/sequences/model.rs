@@ -42,6 +42,8 @@ struct Live {
     pool: Option<usize>,
     requested: usize,
     rounded: usize,
+    /// The stream it was allocated on.
+    stream: u64,
     seed: u64,
 }
 
@@ -70,7 +72,11 @@ enum Kind {
     Checkpoint,
     Delta,
     Group,
+    Snapshot,
 }
+
+/// Every kind of handle.
+const KINDS: [Kind; 4] = [Kind::Checkpoint, Kind::Delta, Kind::Group, Kind::Snapshot];
 
 /// Everything a refused call must leave unchanged.
 #[derive(PartialEq, Debug)]
@@ -90,6 +96,8 @@ pub struct Model {
     cps: Vec<Cp>,
     deltas: Vec<usize>,
     groups: Vec<Group>,
+    /// Live `sp_snapshot` handles.
+    snapshots: Vec<usize>,
     arenas: Vec<Arena>,
     /// (pool, stream; `None`: every allocation of device 0), oldest first.
     routes: Vec<(usize, Option<u64>)>,
@@ -107,11 +115,19 @@ fn pool_id(b: u64) -> sp_pool_id {
     sp_pool_id { a: 0, b }
 }
 
-/// Calls `call` on handle `h` (0..=9: checkpoint free / restore, delta free / freed / created /
-/// freed_count / created_count, group free / begin / end); a count of 0 with a message reads as
-/// `SP_ERR_INVALID_ARGUMENT`.
-fn call_handle(call: u8, h: usize, pool: sp_pool_id) -> sp_status {
+/// Calls made on handles: `call % CALLS` picks one.
+const CALLS: u8 = 17;
+
+/// Calls `call` on handle `h` (0..=2: checkpoint free / restore / info; 3..=7: delta free /
+/// freed / created / freed_count / created_count; 8..=10: group free / begin / end; 11..=16:
+/// snapshot free / segment_count / segment / block / trace_count / trace); a count of 0 with a
+/// message reads as `SP_ERR_INVALID_ARGUMENT`.
+fn call_handle(call: u8, h: usize) -> sp_status {
     let (mut p, mut n) = (null_mut(), 0usize);
+    let (mut dev, mut pool) = (0, pool_id(0));
+    let mut seg = sp_segment_view::default();
+    let mut block = sp_block_view::default();
+    let mut event = sp_trace_event::default();
     let counted = |c: usize| {
         if c == 0 && !last_error().is_empty() {
             INVALID
@@ -121,37 +137,41 @@ fn call_handle(call: u8, h: usize, pool: sp_pool_id) -> sp_status {
     };
     // SAFETY: handles are tokens the library checks before use; out-pointers are valid.
     unsafe {
-        match call % 10 {
+        match call % CALLS {
             0 => sp_checkpoint_free(h as *mut _),
-            1 => sp_checkpoint_restore(0, pool, h as *const _, null(), 0, null_mut()),
-            2 => sp_delta_free(h as *mut _),
-            3 => sp_delta_freed(h as *const _, 0, &mut p, &mut n),
-            4 => sp_delta_created(h as *const _, 0, &mut p, &mut n),
-            5 => counted(sp_delta_freed_count(h as *const _)),
-            6 => counted(sp_delta_created_count(h as *const _)),
-            7 => sp_variant_group_free(h as *mut _),
-            8 => sp_variant_begin(h as *const _, 0, null_mut()),
-            _ => sp_variant_end(h as *const _),
+            1 => sp_checkpoint_restore(h as *const _, null(), 0, null_mut()),
+            2 => sp_checkpoint_info(h as *const _, &mut dev, &mut pool),
+            3 => sp_delta_free(h as *mut _),
+            4 => sp_delta_freed(h as *const _, 0, &mut p, &mut n),
+            5 => sp_delta_created(h as *const _, 0, &mut p, &mut n),
+            6 => counted(sp_delta_freed_count(h as *const _)),
+            7 => counted(sp_delta_created_count(h as *const _)),
+            8 => sp_variant_group_free(h as *mut _),
+            9 => sp_variant_begin(h as *const _, 0, null_mut()),
+            10 => sp_variant_end(h as *const _),
+            11 => sp_snapshot_free(h as *mut _),
+            12 => counted(sp_snapshot_segment_count(h as *const _)),
+            13 => sp_snapshot_segment(h as *const _, 0, &mut seg),
+            14 => sp_snapshot_block(h as *const _, 0, 0, &mut block),
+            15 => counted(sp_snapshot_trace_count(h as *const _)),
+            _ => sp_snapshot_trace(h as *const _, 0, &mut event),
         }
     }
 }
 
 /// The kind whose calls `call` makes.
 fn call_kind(call: u8) -> Kind {
-    match call % 10 {
-        0 | 1 => Kind::Checkpoint,
-        2..=6 => Kind::Delta,
-        _ => Kind::Group,
+    match call % CALLS {
+        0..=2 => Kind::Checkpoint,
+        3..=7 => Kind::Delta,
+        8..=10 => Kind::Group,
+        _ => Kind::Snapshot,
     }
 }
 
 /// A call of `kind`, chosen by `pick`.
 fn call_of(kind: Kind, pick: u8) -> u8 {
-    let calls: &[u8] = match kind {
-        Kind::Checkpoint => &[0, 1],
-        Kind::Delta => &[2, 3, 4, 5, 6],
-        Kind::Group => &[7, 8, 9],
-    };
+    let calls: Vec<u8> = (0..CALLS).filter(|&c| call_kind(c) == kind).collect();
     calls[pick as usize % calls.len()]
 }
 
@@ -224,6 +244,7 @@ impl Model {
             cps: Vec::new(),
             deltas: Vec::new(),
             groups: Vec::new(),
+            snapshots: Vec::new(),
             arenas: Vec::new(),
             routes: Vec::new(),
             stale: Vec::new(),
@@ -256,7 +277,14 @@ impl Model {
     }
 
     /// A new allocation: checked with sp_allocation_info, filled with its own pattern.
-    fn track(&mut self, p: *mut c_void, dev: i32, pool: Option<usize>, requested: usize) {
+    fn track(
+        &mut self,
+        p: *mut c_void,
+        dev: i32,
+        pool: Option<usize>,
+        requested: usize,
+        stream: u64,
+    ) {
         assert!(!p.is_null());
         let (mut base, mut rounded, mut req, mut d) = (null_mut(), 0, 0, -1);
         // SAFETY: valid out-pointers.
@@ -275,6 +303,7 @@ impl Model {
             pool,
             requested,
             rounded,
+            stream,
             seed,
         });
     }
@@ -403,6 +432,7 @@ impl Model {
             Kind::Checkpoint => self.cps.iter().map(|c| c.handle).collect(),
             Kind::Delta => self.deltas.clone(),
             Kind::Group => self.groups.iter().map(|g| g.handle).collect(),
+            Kind::Snapshot => self.snapshots.clone(),
         };
         (!all.is_empty()).then(|| all[pick as usize % all.len()])
     }
@@ -419,7 +449,7 @@ impl Model {
                 let mut p = null_mut();
                 // SAFETY: valid out-pointer.
                 ok(unsafe { sp_alloc(dev, size, s, &mut p) });
-                self.track(p, dev, pool, size);
+                self.track(p, dev, pool, size, s);
             }
             Op::PoolAlloc { pool, size, stream } => {
                 if self.live_bytes(0) + size > MAX_LIVE_BYTES {
@@ -430,7 +460,7 @@ impl Model {
                 let s = STREAMS[stream as usize];
                 // SAFETY: valid out-pointer.
                 ok(unsafe { sp_pool_alloc(0, self.pools[pool], size, s, &mut p) });
-                self.track(p, 0, Some(pool), size);
+                self.track(p, 0, Some(pool), size, s);
             }
             Op::Free { pick } => {
                 if self.live.is_empty() {
@@ -479,14 +509,7 @@ impl Model {
                 let mut d = null_mut();
                 // SAFETY: a live handle; `keep` holds keep.len() pointers; valid out-pointer.
                 ok(unsafe {
-                    sp_checkpoint_restore(
-                        0,
-                        self.pools[pool],
-                        handle as *const _,
-                        keep.as_ptr(),
-                        keep.len(),
-                        &mut d,
-                    )
+                    sp_checkpoint_restore(handle as *const _, keep.as_ptr(), keep.len(), &mut d)
                 });
                 self.apply_restore(pool, &target, d);
                 self.keep_delta(d);
@@ -654,6 +677,27 @@ impl Model {
                 assert_eq!(n, self.uses[pool]);
             }
             Op::ResetPeaks => ok(sp_reset_peak_stats(-1)),
+            Op::SnapshotTake { traces } => {
+                if self.snapshots.len() >= 4 {
+                    return;
+                }
+                let mut h = null_mut();
+                // SAFETY: valid out-pointer.
+                ok(unsafe { sp_snapshot_take(-1, i32::from(traces), &mut h) });
+                views::snapshot_agrees(h, &snapshot());
+                self.snapshots.push(h as usize);
+            }
+            Op::SnapshotFree { pick } => {
+                if self.snapshots.is_empty() {
+                    return;
+                }
+                let h = self
+                    .snapshots
+                    .swap_remove(pick as usize % self.snapshots.len());
+                // SAFETY: a live handle.
+                ok(unsafe { sp_snapshot_free(h as *mut _) });
+                self.stale.push((Kind::Snapshot, h));
+            }
             Op::Bad(ref b) => self.bad(b),
         }
     }

@@ -12,28 +12,88 @@ pub const STREAMS: [u64; 4] = [0, 7, 9, 11];
 /// One valid call (valid when the step runs, or skipped) or one bad call.
 #[derive(Clone, Debug)]
 pub enum Op {
-    Alloc { dev: u8, size: usize, stream: u8 },
-    PoolAlloc { pool: u8, size: usize, stream: u8 },
-    Free { pick: u16 },
-    EmptyCache { all: bool },
-    PoolEmptyCache { pool: u8 },
-    Take { pool: u8 },
-    Restore { cp: u8, keep: u32 },
-    CheckpointFree { cp: u8 },
-    DeltaFree { pick: u8 },
-    GroupCreate { pool: u8, count: u8 },
-    Begin { g: u8, k: u8 },
-    End { g: u8 },
-    GroupFree { g: u8 },
+    Alloc {
+        dev: u8,
+        size: usize,
+        stream: u8,
+    },
+    PoolAlloc {
+        pool: u8,
+        size: usize,
+        stream: u8,
+    },
+    Free {
+        pick: u16,
+    },
+    EmptyCache {
+        all: bool,
+    },
+    PoolEmptyCache {
+        pool: u8,
+    },
+    Take {
+        pool: u8,
+    },
+    Restore {
+        cp: u8,
+        keep: u32,
+    },
+    CheckpointFree {
+        cp: u8,
+    },
+    DeltaFree {
+        pick: u8,
+    },
+    GroupCreate {
+        pool: u8,
+        count: u8,
+    },
+    Begin {
+        g: u8,
+        k: u8,
+    },
+    End {
+        g: u8,
+    },
+    GroupFree {
+        g: u8,
+    },
     ArenaCreate,
-    ArenaAlloc { a: u8, slot: u8, size: usize },
-    ArenaFree { a: u8, slot: u8 },
-    ArenaDestroy { a: u8 },
-    Route { pool: u8, stream: u8, all: bool },
-    Unroute { pool: u8 },
-    Incref { pool: u8 },
-    Release { pool: u8 },
+    ArenaAlloc {
+        a: u8,
+        slot: u8,
+        size: usize,
+    },
+    ArenaFree {
+        a: u8,
+        slot: u8,
+    },
+    ArenaDestroy {
+        a: u8,
+    },
+    Route {
+        pool: u8,
+        stream: u8,
+        all: bool,
+    },
+    Unroute {
+        pool: u8,
+    },
+    Incref {
+        pool: u8,
+    },
+    Release {
+        pool: u8,
+    },
     ResetPeaks,
+    /// `sp_snapshot_take`, with the recorded history or not.
+    SnapshotTake {
+        traces: bool,
+    },
+    /// `sp_snapshot_free` of a live snapshot handle.
+    SnapshotFree {
+        pick: u8,
+    },
     Bad(Bad),
 }
 
@@ -84,11 +144,16 @@ pub enum Bad {
         cp: u8,
         pick: u16,
     },
-    RestoreWrongPool {
-        cp: u8,
+    /// A snapshot reader with an index out of range or a NULL out-pointer.
+    SnapshotOutOfRange {
+        pick: u8,
+        what: u8,
     },
-    RestoreWrongDevice {
-        cp: u8,
+    /// `sp_pool_live_allocations` / `sp_pool_options_get` with a NULL out-pointer or an
+    /// unknown pool.
+    PoolReaderRefused {
+        pool: u8,
+        what: u8,
     },
     /// `sp_pool_verify_live` with one live allocation left out.
     VerifyWrong {
@@ -157,7 +222,7 @@ fn bad() -> impl Strategy<Value = Bad> {
         any::<u16>().prop_map(|pick| Bad::FreeInterior { pick }),
         Just(Bad::FreeNull),
         any::<u64>().prop_map(|addr| Bad::FreeRandom { addr }),
-        (0u8..3, any::<u8>(), any::<u8>()).prop_map(|(kind, pick, call)| Bad::WrongKind {
+        (0u8..4, any::<u8>(), any::<u8>()).prop_map(|(kind, pick, call)| Bad::WrongKind {
             kind,
             pick,
             call
@@ -167,8 +232,8 @@ fn bad() -> impl Strategy<Value = Bad> {
         (any::<u8>(), 24u8..64).prop_map(|(cp, log)| Bad::HugeKeep { cp, log }),
         (any::<u8>(), 24u8..64).prop_map(|(pool, log)| Bad::HugeVerify { pool, log }),
         (any::<u8>(), any::<u16>()).prop_map(|(cp, pick)| Bad::KeepNotInCheckpoint { cp, pick }),
-        any::<u8>().prop_map(|cp| Bad::RestoreWrongPool { cp }),
-        any::<u8>().prop_map(|cp| Bad::RestoreWrongDevice { cp }),
+        (any::<u8>(), any::<u8>()).prop_map(|(pick, what)| Bad::SnapshotOutOfRange { pick, what }),
+        (any::<u8>(), any::<u8>()).prop_map(|(pool, what)| Bad::PoolReaderRefused { pool, what }),
         any::<u8>().prop_map(|pool| Bad::VerifyWrong { pool }),
         any::<bool>().prop_map(|zero| Bad::AllocSize { zero }),
         prop_oneof![Just(-2i32), Just(2), Just(64), Just(i32::MIN)]
@@ -221,6 +286,8 @@ pub fn op() -> impl Strategy<Value = Op> {
         1 => pool.clone().prop_map(|pool| Op::Incref { pool }),
         1 => pool.prop_map(|pool| Op::Release { pool }),
         1 => Just(Op::ResetPeaks),
+        1 => any::<bool>().prop_map(|traces| Op::SnapshotTake { traces }),
+        1 => any::<u8>().prop_map(|pick| Op::SnapshotFree { pick }),
         12 => bad().prop_map(Op::Bad),
     ]
 }

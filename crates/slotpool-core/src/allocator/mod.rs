@@ -12,6 +12,7 @@ mod checkpoint;
 pub mod pause;
 mod peer;
 mod pools;
+mod readers;
 mod reclaim;
 mod registry;
 mod report;
@@ -38,6 +39,7 @@ use shards::{ShardTable, shards_of};
 
 use crate::sync::lock;
 pub use checkpoint::VariantGroup;
+pub use readers::LiveAllocation;
 
 /// The physical pages under one vmm allocation ([`Allocator::shared_pages`]): `pages` in address
 /// order, each one physical allocation of `page_size` bytes, the allocation `offset` bytes into

@@ -192,22 +192,11 @@ impl<D: Device> Allocator<D> {
     /// Live allocations of `pool`: (address, size), in address order. Costs O(blocks of the
     /// pool).
     pub fn live_allocations(&self, pool: PoolId) -> AllocResult<Vec<(DevicePtr, u64)>> {
-        if !lock(&self.pools).contains_key(&pool) {
-            return Err(AllocError::UnknownPool(Box::new(pool)));
-        }
-        let mut out = Vec::new();
-        for cell in self.pool_shards(pool) {
-            let s = lock(&cell.shard);
-            for (sid, _) in s.segments() {
-                out.extend(
-                    s.segment_blocks(sid)
-                        .filter(|(_, b)| b.state == crate::block::BlockState::Allocated)
-                        .map(|(_, b)| (b.addr, b.size)),
-                );
-            }
-        }
-        out.sort_unstable();
-        Ok(out)
+        Ok(self
+            .live_allocation_list(pool)?
+            .into_iter()
+            .map(|l| (l.addr, l.size))
+            .collect())
     }
 
     /// Whether the live allocations of `pool` are exactly `expected` (PyTorch's

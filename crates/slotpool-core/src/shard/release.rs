@@ -65,7 +65,7 @@ impl Shard {
     /// `synchronize` says the device may be synchronised (no capture underway): the shard then
     /// synchronises it under its own lock, so that everything free can go; pending cross-stream
     /// events are waited for too.
-    /// `keep_retained`: the pool is in use, so graph-retained memory stays (see [`PageTable`]).
+    /// `keep_retained`: the pool is in use, so graph-retained memory stays (see [`crate::block::PageTable`]).
     pub fn release_cached(
         &mut self,
         env: &Env<'_>,

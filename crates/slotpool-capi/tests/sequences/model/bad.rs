@@ -3,13 +3,15 @@
 //! make (no live handle of the kind asked for, say) is skipped.
 
 use std::ffi::c_void;
-use std::ptr::{null, null_mut};
+use std::ptr::null_mut;
 
 use slotpool::*;
 
+use crate::common::ok;
+
 use super::{
-    INVALID, Kind, Model, STATE, UNKNOWN_POOL, UNKNOWN_PTR, call_handle, call_kind, call_of,
-    pool_id,
+    CALLS, INVALID, KINDS, Kind, Model, STATE, UNKNOWN_POOL, UNKNOWN_PTR, call_handle, call_kind,
+    call_of, pool_id,
 };
 use crate::ops::Bad;
 
@@ -58,15 +60,14 @@ impl Model {
                 });
             }
             Bad::WrongKind { kind, pick, call } => {
-                let kind = [Kind::Checkpoint, Kind::Delta, Kind::Group][kind as usize % 3];
+                let kind = KINDS[kind as usize % KINDS.len()];
                 let Some(h) = self.handle_of(kind, pick) else {
                     return;
                 };
-                let others: Vec<u8> = (0..10).filter(|&c| call_kind(c) != kind).collect();
+                let others: Vec<u8> = (0..CALLS).filter(|&c| call_kind(c) != kind).collect();
                 let c = others[call as usize % others.len()];
-                let pool = self.pools[0];
                 self.refuse(INVALID, &format!("{kind:?} handle to call {c}"), || {
-                    call_handle(c, h, pool)
+                    call_handle(c, h)
                 });
             }
             Bad::Stale { pick, call } => {
@@ -75,28 +76,26 @@ impl Model {
                 }
                 let (kind, h) = self.stale[pick as usize % self.stale.len()];
                 let c = call_of(kind, call);
-                let pool = self.pools[0];
                 self.refuse(
                     INVALID,
                     &format!("freed {kind:?} handle to call {c}"),
-                    || call_handle(c, h, pool),
+                    || call_handle(c, h),
                 );
             }
             Bad::MadeUp { value, call } => {
                 let v = value as usize;
                 if v == 0
                     || self.stale.iter().any(|&(_, h)| h == v)
-                    || [Kind::Checkpoint, Kind::Delta, Kind::Group]
+                    || KINDS
                         .iter()
                         .any(|&k| (0..=255).any(|i| self.handle_of(k, i) == Some(v)))
                 {
                     return;
                 }
-                let pool = self.pools[0];
                 self.refuse(
                     INVALID,
                     &format!("made-up handle {v:#x} to call {call}"),
-                    || call_handle(call, v, pool),
+                    || call_handle(call, v),
                 );
             }
             Bad::HugeKeep { cp, log } => {
@@ -104,19 +103,12 @@ impl Model {
                     return;
                 }
                 let c = &self.cps[cp as usize % self.cps.len()];
-                let (h, pool) = (c.handle, self.pools[c.pool]);
+                let h = c.handle;
                 let keep = [null_mut::<c_void>()];
                 self.refuse(INVALID, &format!("restore with n_keep 2^{log}"), || {
                     // SAFETY: the length is refused before the list is read.
                     unsafe {
-                        sp_checkpoint_restore(
-                            0,
-                            pool,
-                            h as *const _,
-                            keep.as_ptr(),
-                            1 << log,
-                            null_mut(),
-                        )
+                        sp_checkpoint_restore(h as *const _, keep.as_ptr(), 1 << log, null_mut())
                     }
                 });
             }
@@ -144,43 +136,69 @@ impl Model {
                     return;
                 };
                 let keep = [p as *mut c_void];
-                let id = self.pools[pool];
                 self.refuse(
                     STATE,
                     "restore keeping a pointer the checkpoint lacks",
                     || {
                         // SAFETY: one readable pointer; a live handle.
                         unsafe {
-                            sp_checkpoint_restore(
-                                0,
-                                id,
-                                h as *const _,
-                                keep.as_ptr(),
-                                1,
-                                null_mut(),
-                            )
+                            sp_checkpoint_restore(h as *const _, keep.as_ptr(), 1, null_mut())
                         }
                     },
                 );
             }
-            Bad::RestoreWrongPool { cp } | Bad::RestoreWrongDevice { cp } => {
-                if self.cps.is_empty() {
+            Bad::SnapshotOutOfRange { pick, what } => {
+                let Some(h) = self.handle_of(Kind::Snapshot, pick) else {
                     return;
-                }
-                let c = &self.cps[cp as usize % self.cps.len()];
-                let wrong_device = matches!(b, Bad::RestoreWrongDevice { .. });
-                let (dev, pool) = if wrong_device {
-                    (1, self.pools[c.pool])
-                } else {
-                    (0, self.pools[(c.pool + 1) % self.pools.len()])
                 };
-                let h = c.handle;
-                self.refuse(INVALID, "restore of another pool or device", || {
-                    // SAFETY: a live handle; no keep list.
+                let s = h as *const sp_snapshot;
+                let n = sp_snapshot_segment_count(s);
+                let mut seg = sp_segment_view::default();
+                let mut block = sp_block_view::default();
+                let last = n.saturating_sub(1);
+                let blocks = if n == 0 {
+                    0
+                } else {
+                    // SAFETY: a live handle; valid out-pointer.
+                    ok(unsafe { sp_snapshot_segment(s, last, &mut seg) });
+                    seg.block_count
+                };
+                let before = (seg, block);
+                // SAFETY: a live handle; each call is refused before writing.
+                let call = || unsafe {
+                    match what % 5 {
+                        0 => sp_snapshot_segment(s, n, &mut seg),
+                        1 => sp_snapshot_block(s, n, 0, &mut block),
+                        2 => sp_snapshot_block(s, last, blocks, &mut block),
+                        3 => sp_snapshot_trace(s, sp_snapshot_trace_count(s), null_mut()),
+                        _ => sp_snapshot_segment(s, 0, null_mut()),
+                    }
+                };
+                self.refuse(INVALID, &format!("snapshot reader {}", what % 5), call);
+                assert_eq!((seg, block), before, "a refused reader wrote its output");
+            }
+            Bad::PoolReaderRefused { pool, what } => {
+                let id = if what % 2 == 0 {
+                    self.pools[pool as usize % self.pools.len()]
+                } else {
+                    pool_id((1 << 40) + u64::from(pool))
+                };
+                let mut total = 7usize;
+                let mut opts = sp_pool_options::default();
+                let want = if what % 2 == 0 { INVALID } else { UNKNOWN_POOL };
+                self.refuse(want, &format!("pool reader {}", what % 4), || {
+                    // SAFETY: NULL out-pointers are refused; valid ones otherwise.
                     unsafe {
-                        sp_checkpoint_restore(dev, pool, h as *const _, null(), 0, null_mut())
+                        match what % 4 {
+                            0 => sp_pool_live_allocations(0, id, null_mut(), 4, &mut total),
+                            1 => sp_pool_live_allocations(0, id, null_mut(), 0, &mut total),
+                            2 => sp_pool_options_get(0, id, null_mut()),
+                            _ => sp_pool_options_get(0, id, &mut opts),
+                        }
                     }
                 });
+                assert_eq!(total, 7, "a refused call wrote the total");
+                assert_eq!(opts, sp_pool_options::default());
             }
             Bad::VerifyWrong { pool } => {
                 let pool = pool as usize % self.pools.len();

@@ -89,6 +89,26 @@ impl Model {
             let s = unsafe { sp_pool_verify_live(0, p, list.as_ptr(), list.len()) };
             assert_eq!(s, sp_status::SP_OK, "pool {i}: {}", last_error());
         }
+        for (i, &p) in self.pools.iter().enumerate() {
+            live_allocations_agree(p, &self.pool_live(i), &format!("pool {i}"));
+            let mut o = sp_pool_options {
+                no_split: 9,
+                ..sp_pool_options::default()
+            };
+            // SAFETY: valid out-pointer.
+            ok(unsafe { sp_pool_options_get(0, p, &mut o) });
+            assert_eq!(
+                o,
+                sp_pool_options::default(),
+                "pool {i}: created with NULL options"
+            );
+        }
+        for c in &self.cps {
+            let (mut dev, mut pool) = (-1, pool_id(0));
+            // SAFETY: a live handle; valid out-pointers.
+            ok(unsafe { sp_checkpoint_info(c.handle as *const _, &mut dev, &mut pool) });
+            assert_eq!((dev, pool), (0, self.pools[c.pool]), "checkpoint info");
+        }
         for l in &self.live {
             verify(l.dev, l.ptr, l.requested, l.seed, all, "allocation");
         }
@@ -115,6 +135,10 @@ impl Model {
         for d in std::mem::take(&mut self.deltas) {
             // SAFETY: a live handle.
             ok(unsafe { sp_delta_free(d as *mut _) });
+        }
+        for h in std::mem::take(&mut self.snapshots) {
+            // SAFETY: a live handle.
+            ok(unsafe { sp_snapshot_free(h as *mut _) });
         }
         for c in std::mem::take(&mut self.cps) {
             // SAFETY: a live handle.
@@ -160,6 +184,9 @@ impl Model {
             for d in std::mem::take(&mut self.deltas) {
                 sp_delta_free(d as *mut _);
             }
+            for h in std::mem::take(&mut self.snapshots) {
+                sp_snapshot_free(h as *mut _);
+            }
             for c in std::mem::take(&mut self.cps) {
                 sp_checkpoint_free(c.handle as *mut _);
             }
@@ -176,5 +203,50 @@ impl Model {
         for l in std::mem::take(&mut self.live) {
             sp_free(l.ptr as *mut c_void);
         }
+    }
+}
+
+/// `sp_pool_live_allocations` of pool `p` against the model's `live`: the total, every entry,
+/// lowest address first, and a call with too little room writing only what fits.
+fn live_allocations_agree(p: sp_pool_id, live: &[Live], what: &str) {
+    let mut want: Vec<(usize, u64, u64, u64)> = live
+        .iter()
+        .map(|l| (l.ptr, l.rounded as u64, l.requested as u64, l.stream))
+        .collect();
+    want.sort_unstable();
+    let mut total = usize::MAX;
+    // SAFETY: cap 0 with NULL out; valid total.
+    ok(unsafe { sp_pool_live_allocations(0, p, null_mut(), 0, &mut total) });
+    assert_eq!(total, want.len(), "{what}: live allocations");
+    let blank = sp_allocation {
+        ptr: null_mut(),
+        size: 0,
+        requested_size: 0,
+        stream: 0,
+    };
+    let mut out = vec![blank; want.len() + 1];
+    // SAFETY: `out` holds out.len() entries.
+    ok(unsafe { sp_pool_live_allocations(0, p, out.as_mut_ptr(), out.len(), &mut total) });
+    assert_eq!(total, want.len());
+    let got: Vec<(usize, u64, u64, u64)> = out[..total]
+        .iter()
+        .map(|a| (a.ptr as usize, a.size, a.requested_size, a.stream))
+        .collect();
+    assert_eq!(
+        got, want,
+        "{what}: (ptr, size, requested, stream) of each live allocation"
+    );
+    assert_eq!(out[total], blank, "{what}: written past the total");
+    if total > 1 {
+        let mut short = vec![blank; total];
+        let cap = total / 2;
+        // SAFETY: `short` holds at least `cap` entries.
+        ok(unsafe { sp_pool_live_allocations(0, p, short.as_mut_ptr(), cap, &mut total) });
+        assert_eq!(total, want.len(), "{what}: the total, also when truncated");
+        assert_eq!(&short[..cap], &out[..cap]);
+        assert!(
+            short[cap..].iter().all(|a| *a == blank),
+            "{what}: written past cap"
+        );
     }
 }

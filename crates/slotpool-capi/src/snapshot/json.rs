@@ -1,11 +1,11 @@
-//! `sp_snapshot_json`: the allocator state in the shape of PyTorch's `torch.cuda.memory._snapshot()`
+//! `sp_snapshot_json`: a snapshot in the shape of PyTorch's `torch.cuda.memory._snapshot()`
 //! (see `docs/c-api.md`), with the recorded history of each device in `device_traces`.
 
 use serde_json::{Value, json};
 use slotpool_core::allocator::SegmentSnapshot;
 use slotpool_core::block::BlockState;
 
-use crate::runtime::{Runtime, each};
+use crate::runtime::Runtime;
 
 fn state_name(s: BlockState) -> &'static str {
     match s {
@@ -59,21 +59,15 @@ fn segment_json(device: usize, seg: &SegmentSnapshot) -> Value {
 /// The snapshot of one device (`Some(i)`) or of every device (`None`) as a JSON string.
 /// Devices whose allocator was never created have no segments.
 pub fn snapshot_json(rt: &Runtime, device: Option<usize>) -> String {
-    let mut segments = Vec::new();
-    for (i, d) in rt.created() {
-        if device.is_some_and(|want| want != i) {
-            continue;
-        }
-        for seg in each!(d, a => a.snapshot()) {
-            segments.push(segment_json(i, &seg));
-        }
-    }
+    let taken = super::take(rt, device, true);
+    let segments: Vec<Value> = taken
+        .segments
+        .iter()
+        .map(|(i, seg)| segment_json(*i, seg))
+        .collect();
     let mut traces: Vec<Value> = (0..rt.device_count()).map(|_| json!([])).collect();
-    for (i, d) in rt.created() {
-        if device.is_some_and(|want| want != i) {
-            continue;
-        }
-        let entries: Vec<Value> = each!(d, a => a.history())
+    for (i, entries) in &taken.traces {
+        traces[*i] = entries
             .iter()
             .map(|e| {
                 json!({
@@ -86,7 +80,6 @@ pub fn snapshot_json(rt: &Runtime, device: Option<usize>) -> String {
                 })
             })
             .collect();
-        traces[i] = Value::Array(entries);
     }
     json!({
         "segments": segments,

@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""The restore path of CUDA graph trees: torch._C._cuda_setCheckpointPoolState on a private pool
+of N live blocks with half of them changed since torch._C._cuda_getCheckpointState, under slotpool
+(slotpool_torch) and under PyTorch's own allocator, each in its own process.
+
+usage: python3 benches/gpu/ckpt_state_bench.py [--out DIR] [--sizes 100,1000,10000]
+                                               [--repeats 7] [--alloc native,slotpool]
+
+One repeat, in a fresh MemPool (a private pool, as a graph's), for N live blocks:
+  1. 2N tensors of 512 B .. 6.5 KiB allocated into the pool, every other one dropped: N live
+     blocks with holes between them (the pattern of benches/gpu/ckpt_probe.py);
+  2. the checkpoint: getCheckpointState (timed apart, get_us);
+  3. half changed: N/2 of the checkpoint's tensors die (every other one) and N/2 new tensors of
+     other sizes are allocated into the pool and stay alive;
+  4. timed (set_us): setCheckpointPoolState(device, state, stale, []) with the N/2 new tensors'
+     storages as the stale ones (their memory goes back to the pool: PyTorch requires every
+     pointer the restore frees for good to come with its stale storage);
+  5. as graph trees do after the call, the blocks of the tensors that died since the checkpoint
+     (re-created by the restore) are freed with raw_delete (switch_us: steps 4 and 5 together);
+  6. checked: the pool's live allocations are exactly the N/2 survivors
+     (torch._C._cuda_checkPoolLiveAllocations); a repeat that fails the check fails the run.
+The first repeat of each size warms up and is left out; the table shows medians of the others.
+Then the same repeats again with step 4 through benches/gpu/ckpt_state_set.cpp (built just in
+time): the allocator's setCheckpointPoolState alone, timed in C++ (alloc_us), without the
+binding's list conversion and pointer sets; the stale storages lose their deleters as there.
+
+Writes DIR/ckpt_state_bench.json (DIR: --out, else $OUT, else .) and prints one JSON line per
+allocator and size, then the table. Environment: SLOTPOOL_LIB (libslotpool.so or its folder),
+SLOTPOOL_TORCH_BUILD_DIR (where the extension is built just in time), SLOTPOOL_TORCH_CONF.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PLUGIN = os.path.join(REPO, "torch_plugin")
+TARGET_RATIO = 100  # slotpool's set_us at least this many times below PyTorch's, at 10,000 blocks
+
+
+# =================================================================================================
+# Child: one allocator, every size.
+
+def build_set_ext():
+    """benches/gpu/ckpt_state_set.cpp as a module (after CUDA is initialised: the build may query
+    the GPUs), or the reason it could not be built."""
+    from torch.utils.cpp_extension import load
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # no .cu sources: the arch is unused
+    try:
+        return load(name="ckpt_state_set", sources=[os.path.join(HERE, "ckpt_state_set.cpp")],
+                    extra_cflags=["-O2"], extra_ldflags=["-l:libstdc++.so.6"], with_cuda=True,
+                    verbose=False)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"[:1000]
+
+
+def one_repeat(torch, n, device, set_ext=None):
+    first_sizes = [512 * (i % 13 + 1) for i in range(2 * n)]
+    new_sizes = [512 * ((7 * i) % 11 + 1) + 256 for i in range(n // 2)]
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        ts = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in first_sizes]
+    del ts[::2]  # n live blocks, n holes
+    torch.cuda.synchronize()
+
+    t = time.perf_counter()
+    state = torch._C._cuda_getCheckpointState(device, pool.id)
+    get_us = (time.perf_counter() - t) * 1e6
+
+    dead = ts[::2]  # half of the checkpoint's tensors die
+    survivors = ts[1::2]
+    dead_ptrs = [x.data_ptr() for x in dead]
+    del dead, ts
+    with torch.cuda.use_mem_pool(pool):
+        new = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in new_sizes]
+    stale = [x.untyped_storage()._cdata for x in new]
+    torch.cuda.synchronize()
+
+    alloc_us = None
+    t = time.perf_counter()
+    if set_ext is None:
+        torch._C._cuda_setCheckpointPoolState(device, state, stale, [])
+    else:
+        alloc_us = set_ext.set_state_timed(device, state, stale)[0]
+    t_set = time.perf_counter()
+    for p in dead_ptrs:
+        torch._C._cuda_cudaCachingAllocator_raw_delete(p)
+    t_switch = time.perf_counter()
+
+    del new, stale  # their deleters were removed: dropping them frees nothing
+    ok = torch._C._cuda_checkPoolLiveAllocations(device, pool.id, {x.data_ptr() for x in survivors})
+    del survivors, state
+    torch.cuda.synchronize()
+    del pool
+    return {"get_us": get_us, "set_us": (t_set - t) * 1e6, "switch_us": (t_switch - t) * 1e6,
+            "alloc_us": alloc_us, "live_check": bool(ok)}
+
+
+def child(alloc, sizes, repeats):
+    if alloc == "slotpool":
+        sys.path.insert(0, PLUGIN)
+        import slotpool_torch
+
+        slotpool_torch.install(conf=os.environ.get("SLOTPOOL_TORCH_CONF"))
+    import torch
+
+    torch.empty(1, device="cuda")
+    device = torch.cuda.current_device()
+    out = {"alloc": alloc, "backend": torch.cuda.get_allocator_backend(), "sizes": {}}
+    set_ext = build_set_ext()
+    if isinstance(set_ext, str):
+        out["alloc_us_error"] = set_ext
+        set_ext = None
+    for n in sizes:
+        runs = [one_repeat(torch, n, device) for _ in range(repeats + 1)][1:]
+        keys = ("get_us", "set_us", "switch_us")
+        res = {k: statistics.median(r[k] for r in runs) for k in keys}
+        res.update({k.replace("_us", "_min_us"): min(r[k] for r in runs) for k in keys})
+        res["set_us_all"] = [round(r["set_us"], 1) for r in runs]
+        res["live_check"] = all(r["live_check"] for r in runs)
+        if set_ext is not None:
+            alone = [one_repeat(torch, n, device, set_ext) for _ in range(repeats + 1)][1:]
+            res["alloc_us"] = statistics.median(r["alloc_us"] for r in alone)
+            res["alloc_min_us"] = min(r["alloc_us"] for r in alone)
+            res["live_check"] = res["live_check"] and all(r["live_check"] for r in alone)
+        out["sizes"][str(n)] = res
+        print(json.dumps({"alloc": alloc, "live_blocks": n, **res}), file=sys.stderr, flush=True)
+    out["ok"] = all(r["live_check"] for r in out["sizes"].values())
+    return out
+
+
+# =================================================================================================
+# Parent: one child per allocator, the table, the JSON file.
+
+def run_child(alloc, sizes, repeats, timeout):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", alloc,
+           "--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"alloc": alloc, "ok": False, "error": f"timed out after {timeout} s"}
+    sys.stderr.write(p.stderr[-4000:])
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"alloc": alloc, "ok": False, "error": f"no result (exit code {p.returncode})",
+            "stderr_tail": p.stderr[-2000:]}
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sizes", default="100,1000,10000")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--alloc", default="native,slotpool")
+    ap.add_argument("--timeout", type=int, default=int(os.environ.get("CHILD_TIMEOUT", "540")))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.child:
+        try:
+            res = child(args.child, sizes, args.repeats)
+        except Exception as e:  # noqa: BLE001
+            res = {"alloc": args.child, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000],
+                   "traceback": traceback.format_exc()[-3000:]}
+        print(json.dumps(res), flush=True)
+        return 0
+
+    allocs = [a for a in args.alloc.split(",") if a]
+    results = {a: run_child(a, sizes, args.repeats, args.timeout) for a in allocs}
+    import torch  # only for the record of what ran
+
+    report = {
+        "bench": "ckpt_state_bench",
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "command": " ".join([os.path.relpath(__file__, REPO)] + argv),
+        "repeats": args.repeats,
+        "results": results,
+        "ratio": {},        # native / slotpool, set_us (the torch._C call)
+        "ratio_alone": {},  # native / slotpool, alloc_us (the allocator's call alone)
+    }
+    for n in sizes:
+        for key, field in (("ratio", "set_us"), ("ratio_alone", "alloc_us")):
+            try:
+                report[key][str(n)] = (results["native"]["sizes"][str(n)][field] /
+                                       results["slotpool"]["sizes"][str(n)][field])
+            except (KeyError, ZeroDivisionError):
+                pass
+    big = str(max(sizes)) if sizes else None
+    if big in report["ratio"] and int(big) >= 10000:
+        report["target"] = {"live_blocks": int(big), "ratio_at_least": TARGET_RATIO,
+                            "met": report["ratio"][big] >= TARGET_RATIO}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "ckpt_state_bench.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+    for a, r in results.items():
+        for n, v in r.get("sizes", {}).items():
+            print(json.dumps({"alloc": a, "live_blocks": int(n), "set_us": round(v["set_us"], 1),
+                              "switch_us": round(v["switch_us"], 1), "get_us": round(v["get_us"], 1),
+                              "alloc_us": round(v["alloc_us"], 1) if "alloc_us" in v else None,
+                              "live_check": v["live_check"]}))
+        if r.get("alloc_us_error"):
+            print(json.dumps({"alloc": a, "alloc_us_error": r["alloc_us_error"]}))
+        if not r.get("ok"):
+            print(json.dumps({"alloc": a, "ok": False, "error": r.get("error", "live check failed")}))
+    print(f"\nsetCheckpointPoolState, half of the live blocks changed (median of {args.repeats}, us)")
+    print(f"{'live blocks':>11}  {'native set':>11}  {'slotpool set':>12}  {'ratio':>7}  "
+          f"{'native switch':>13}  {'slotpool switch':>15}  {'native alone':>12}  "
+          f"{'slotpool alone':>14}")
+    for n in sizes:
+        def cell(a, k):
+            v = results.get(a, {}).get("sizes", {}).get(str(n), {}).get(k)
+            return f"{v:.1f}" if v is not None else "-"
+        ratio = report["ratio"].get(str(n))
+        print(f"{n:>11}  {cell('native', 'set_us'):>11}  {cell('slotpool', 'set_us'):>12}  "
+              f"{(f'{ratio:.0f}x' if ratio else '-'):>7}  {cell('native', 'switch_us'):>13}  "
+              f"{cell('slotpool', 'switch_us'):>15}  {cell('native', 'alloc_us'):>12}  "
+              f"{cell('slotpool', 'alloc_us'):>14}")
+    print("set: the torch._C call; switch: set + graph trees' raw_delete of the re-created blocks; "
+          "alone: the allocator's setCheckpointPoolState timed in C++")
+    if "target" in report:
+        t = report["target"]
+        print(f"target: slotpool >= {t['ratio_at_least']}x faster at {t['live_blocks']} blocks: "
+              f"{'met' if t['met'] else 'NOT met'}")
+    return 0 if all(r.get("ok") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
