@@ -19,3 +19,7 @@ python3 -m pytest -q -p no:cacheprovider torch_plugin/tests
 # own: `--cfg loom` would otherwise rebuild everything above.
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
   cargo test -p slotpool-core --release --test loom_shards
+# The integration tests again with the core's lock ranks checked (crates/slotpool-core/src/sync/rank.rs:
+# a lock taken out of order panics, naming both locks), in a target directory of its own.
+RUSTFLAGS="--cfg slotpool_lock_ranks" CARGO_TARGET_DIR=target/ranks \
+  cargo test -p slotpool --release --test integration

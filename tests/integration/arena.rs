@@ -186,14 +186,26 @@ fn an_alloc_out_of_memory_keeps_no_page() {
             a.arena_alloc(ar, 0, 0, 3 * MIB).unwrap();
             let before = observe(&dev, &a, ar);
             dev.inject_oom(kind, nth);
+            // The failed first try reclaims the cache, synchronising: from then on every call
+            // of `kind` fails too, so that the retries fail as well.
+            let d = dev.clone();
+            dev.after_next_synchronize(move || d.fail_all(kind, true));
             let r = a.arena_alloc(ar, 0, 1, 8 * MIB);
+            dev.fail_all(kind, false);
             assert!(
                 matches!(r, Err(AllocError::OutOfMemory(_))),
                 "{kind:?} {nth}: {r:?}"
             );
+            // Counted as an allocation's refusal is: one retry after reclaiming, one OOM.
+            let mut after = observe(&dev, &a, ar);
+            for key in ["num_alloc_retries", "num_ooms"] {
+                let n = after.stats.get_mut(key).unwrap();
+                assert_eq!(*n, before.stats[key] + 1, "{kind:?} {nth}: {key}");
+                *n -= 1;
+            }
             unchanged(
                 &before,
-                &observe(&dev, &a, ar),
+                &after,
                 &format!("{kind:?} {nth}: the failed call kept what it mapped"),
             );
             check_reserved(&dev, &a);

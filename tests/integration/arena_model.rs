@@ -214,6 +214,8 @@ struct World {
     loose_uses: u64,
     seed: u64,
     last_peak: i64,
+    /// The last refused call ran out of memory (and so may have reclaimed the cache).
+    reclaimed: bool,
 }
 
 /// What a refused call must leave unchanged.
@@ -254,6 +256,7 @@ impl World {
             loose_uses: 0,
             seed: 1,
             last_peak: 0,
+            reclaimed: false,
         }
     }
 
@@ -264,20 +267,25 @@ impl World {
     }
 
     /// Whether the growth that `expect` needs fits (before the call): pooled pages first, then
-    /// new ones within the device.
-    fn fits(&self, i: usize, expect: &Expect, fail: Fail) -> bool {
+    /// new ones within the device. `reclaims`: the call reclaims the device's cache when it
+    /// runs out (an allocation), so growth that fits only beside the allocated bytes may or
+    /// may not fit (`None`: the model does not know how much of the cache is reclaimable).
+    fn fits(&self, i: usize, expect: &Expect, fail: Fail, reclaims: bool) -> Option<bool> {
         let Expect::Ok { end, .. } = *expect else {
-            return true;
+            return Some(true);
         };
         let need = end.div_ceil(PAGE).saturating_sub(self.arenas[i].pages);
         if need == 0 {
-            return true;
+            return Some(true);
         }
         let fresh = need.saturating_sub(self.pool_pages());
         match fail {
-            Fail::Map => false,
-            Fail::CreatePage if fresh > 0 => false,
-            _ => self.a.held_bytes() + fresh * PAGE <= TOTAL,
+            Fail::Map => Some(false),
+            // Reclaiming may free idle pages that need no creation.
+            Fail::CreatePage if fresh > 0 => (!reclaims).then_some(false),
+            _ if self.a.held_bytes() + fresh * PAGE <= TOTAL => Some(true),
+            _ if reclaims && self.a.allocated_bytes() + fresh * PAGE <= TOTAL => None,
+            _ => Some(false),
         }
     }
 
@@ -287,6 +295,7 @@ impl World {
 
     fn step(&mut self, op: &Op) {
         let before = state(self);
+        self.reclaimed = false;
         let refused = match *op {
             Op::Create { pool, stream } => {
                 if self.arenas.len() >= 3 {
@@ -352,7 +361,7 @@ impl World {
                 let i = arena % self.arenas.len();
                 let m = &self.arenas[i];
                 let expect = m.place(slot, size);
-                let fits = self.fits(i, &expect, Fail::None);
+                let fits = self.fits(i, &expect, Fail::None, false);
                 let r = self.a.arena_reserve_slot(m.id, slot, size);
                 self.settle(
                     i,
@@ -437,7 +446,31 @@ impl World {
                 false
             }
         };
-        if refused {
+        if refused && self.reclaimed {
+            // Out of memory reclaimed the device's cache first: the live figures stay.
+            let live =
+                |s: &(BTreeMap<String, i64>, u64, String, u64, usize)| -> Vec<(String, i64)> {
+                    s.0.iter()
+                        .filter(|(k, _)| {
+                            k.ends_with(".current")
+                                && [
+                                    "allocation.",
+                                    "allocated_bytes.",
+                                    "requested_bytes.",
+                                    "active",
+                                ]
+                                .iter()
+                                .any(|p| k.starts_with(p))
+                        })
+                        .map(|(k, v)| (k.clone(), *v))
+                        .collect()
+                };
+            assert_eq!(
+                live(&before),
+                live(&state(self)),
+                "refused {op:?} changed live figures"
+            );
+        } else if refused {
             let after = state(self);
             assert!(
                 before == after,
@@ -469,7 +502,7 @@ impl World {
         if let Some(k) = kind {
             self.dev.fail_all(k, true);
         }
-        let fits = self.fits(i, &expect, fail);
+        let fits = self.fits(i, &expect, fail, true);
         let r = self.a.arena_alloc(m.id, branch, slot, size);
         if let Some(k) = kind {
             self.dev.fail_all(k, false);
@@ -505,7 +538,7 @@ impl World {
         slot: u32,
         expect: Expect,
         r: Result<u64, AllocError>,
-        fits: bool,
+        fits: Option<bool>,
     ) -> bool {
         let m = &self.arenas[i];
         match expect {
@@ -515,6 +548,7 @@ impl World {
             }
             Expect::Oom => {
                 assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{r:?}");
+                self.reclaimed = true;
                 true
             }
             Expect::Ok {
@@ -522,9 +556,13 @@ impl World {
                 end,
                 moved,
             } => {
-                if !fits {
-                    assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{r:?}");
-                    return true;
+                match (fits, &r) {
+                    (Some(false), _) | (None, Err(_)) => {
+                        assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{r:?}");
+                        self.reclaimed = true;
+                        return true;
+                    }
+                    _ => {}
                 }
                 let ptr = r.unwrap_or_else(|e| panic!("model expected success: {e}"));
                 assert_eq!(ptr, m.base + s.offset, "slot {slot} at its offset");

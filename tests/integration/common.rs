@@ -81,6 +81,12 @@ pub fn check_all(dev: &SimDevice, alloc: &Allocator<SimDevice>, live: &[Live]) {
         dev.last_violation()
     );
     assert_eq!(dev.capture_violations(), 0, "capture rule broken");
+    assert_eq!(
+        dev.work_violations(),
+        0,
+        "memory released under queued work: {:?}",
+        dev.last_work_violation()
+    );
     let mut by_addr: BTreeMap<u64, u64> = BTreeMap::new();
     for l in live {
         by_addr.insert(l.ptr, l.size);

@@ -10,6 +10,7 @@ mod model;
 mod oom;
 mod pause;
 mod peaks;
+mod queued_work;
 mod quick;
 mod races;
 mod retained;

@@ -83,3 +83,73 @@ fn without_private_pools_everything_unallocated_is_the_default_pools() {
         "{r}"
     );
 }
+
+#[test]
+fn idle_pages_the_ladder_kept_do_not_starve_a_small_segment() {
+    // 16 MiB pages: small blocks take 2 MiB classic segments, which cannot use a page. The
+    // ladder keeps idle pages in the device's page pool for its retry; a small request under a
+    // limit full of them once failed with nothing allocated.
+    let (dev, a) = setup_paged(GrowthMode::Vmm, 1 << 30, Some(16 * MIB));
+    a.set_memory_limit(48 * MIB);
+    let big = a.alloc(48 * MIB, 0).unwrap();
+    a.free(big).unwrap();
+    let small = a
+        .alloc(4096, 0)
+        .unwrap_or_else(|e| panic!("a small block under an idle limit: {e}"));
+    a.check_invariants().unwrap();
+    assert!(dev.physical_bytes() <= 48 * MIB);
+    a.free(small).unwrap();
+    // And a page-backed request still takes the kept pages.
+    let big = a.alloc(32 * MIB, 0).unwrap();
+    a.free(big).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn an_arena_slot_reclaims_the_cache_and_counts_as_allocated() {
+    let (_dev, a) = setup(GrowthMode::Vmm, 1 << 30);
+    let pool = PoolId(0, 9);
+    a.create_or_incref_pool(pool, PoolOptions::default())
+        .unwrap();
+    let arena = a.arena_create(pool, 0).unwrap();
+    // 600 MiB cached in the default pool: the slot fits only once that cache is released.
+    let cached = a.alloc(600 * MIB, 0).unwrap();
+    a.free(cached).unwrap();
+    a.arena_alloc(arena, 0, 0, 600 * MIB)
+        .unwrap_or_else(|e| panic!("the slot after the cache was reclaimed: {e}"));
+    a.check_invariants().unwrap();
+    // No room for a second: the report counts the first slot as allocated, in a private pool.
+    let r = oom(a.arena_alloc(arena, 0, 1, 600 * MIB).unwrap_err());
+    assert_eq!(r.requested, 600 * MIB, "{r:?}");
+    let (allocated, _, _) = parts(&r);
+    assert_eq!(allocated, 600 * MIB, "{r:?}");
+    assert!(r.reserved >= 600 * MIB && r.limit == 1 << 30, "{r:?}");
+    a.arena_free(arena, 0, 0).unwrap();
+    a.arena_destroy(arena).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_restore_out_of_memory_reports_what_it_needed() {
+    let (_dev, a) = setup(GrowthMode::Vmm, 1 << 30);
+    let pool = PoolId(0, 10);
+    a.create_or_incref_pool(pool, PoolOptions::default())
+        .unwrap();
+    let block = a.alloc_in(pool, 100 * MIB, 0).unwrap();
+    let cp = a.checkpoint(pool).unwrap();
+    a.free(block).unwrap();
+    a.empty_pool_cache(pool).unwrap();
+    // The rest of the device, live: the restore cannot re-create the block.
+    let fill = a.alloc(1000 * MIB, 0).unwrap();
+    let r = oom(a.restore(pool, &cp, &[]).unwrap_err());
+    assert_eq!(r.requested, 100 * MIB, "{r:?}");
+    let (allocated, _, _) = parts(&r);
+    assert_eq!(allocated, 1000 * MIB, "{r:?}");
+    assert_eq!(r.limit, 1 << 30, "{r:?}");
+    a.check_invariants().unwrap();
+    // Freed, the fill is the default pool's cache: the restore reclaims it.
+    a.free(fill).unwrap();
+    a.restore(pool, &cp, &[])
+        .unwrap_or_else(|e| panic!("the restore after the cache was reclaimed: {e}"));
+    a.check_invariants().unwrap();
+}

@@ -145,7 +145,14 @@ fn an_alloc_out_of_memory_maps_nothing() {
         arena_alloc(LIMITED, ar, 0, 1, 4 * page),
         sp_status::SP_ERR_OUT_OF_MEMORY,
     );
-    let after = observed(LIMITED, p);
+    let mut after = observed(LIMITED, p);
+    // Counted as an allocation's refusal is: one retry after reclaiming the cache, one OOM.
+    assert_eq!(
+        (after.0.num_alloc_retries, after.0.num_ooms),
+        (before.0.num_alloc_retries + 1, before.0.num_ooms + 1)
+    );
+    after.0.num_alloc_retries = before.0.num_alloc_retries;
+    after.0.num_ooms = before.0.num_ooms;
     assert_eq!(after, before, "the failed alloc kept pages");
     ok(sp_check_invariants(LIMITED));
     // All that the limit leaves is still there to take.

@@ -1,4 +1,5 @@
-//! The interposed functions: the only symbols this library exports.
+//! The interposed allocation functions (with [`crate::copies`], the only symbols this library
+//! exports).
 //!
 //! | function | served from slotpool as | passes through when |
 //! | --- | --- | --- |
@@ -155,7 +156,7 @@ fn stream_primary_device(stream: u64) -> Option<c_int> {
 /// The device a runtime-API allocation on `stream` is for: the stream's device for a created
 /// stream, else the current device. `None`: pass through. On the simulated backend an unknown
 /// device is device 0 (there may be no driver at all).
-fn runtime_device(sp: &Slotpool, stream: u64) -> Option<c_int> {
+pub(crate) fn runtime_device(sp: &Slotpool, stream: u64) -> Option<c_int> {
     if !sp.sim {
         let fast = if is_default_stream(stream) {
             current_primary_device()

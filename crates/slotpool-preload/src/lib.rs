@@ -6,7 +6,8 @@
 //!
 //! serves `cudaMalloc`/`cudaFree`, `cudaMallocAsync`/`cudaFreeAsync` (and their `_ptsz` forms)
 //! and `cuMemAlloc_v2`/`cuMemFree_v2` from slotpool's caching allocator, and extends
-//! `cudaDeviceEnablePeerAccess` to slotpool's mapped pages; every other CUDA call, and every
+//! `cudaDeviceEnablePeerAccess` to slotpool's mapped pages; on the simulated backend it also
+//! serves `cudaMemcpy[Async]` and `cudaMemset[Async]` of simulated memory. Every other CUDA call, and every
 //! pointer slotpool did not hand out, goes to the real library. `docs/preload.md` is the user
 //! guide.
 //!
@@ -14,7 +15,8 @@
 //! `libslotpool.so`, opened at the first allocation call, so that a process that also loads the
 //! PyTorch shim has one allocator, not two.
 //!
-//! * [`hooks`]: the exported CUDA functions (the only symbols this library exports).
+//! * [`hooks`]: the exported allocation functions; [`copies`]: the exported copy and fill
+//!   functions (these two modules define the only symbols this library exports).
 //! * [`slotpool`]: finding, opening and starting `libslotpool.so`; the process-wide state.
 //! * [`real`]: the real CUDA functions, found with `dlsym(RTLD_NEXT, ..)`.
 //! * [`codes`]: status codes and the rules that map slotpool's answers to CUDA's.
@@ -24,6 +26,7 @@
 //! but recording this library's directory, and no panic crosses the C boundary.
 
 pub mod codes;
+pub mod copies;
 pub mod hooks;
 pub mod real;
 pub mod report;

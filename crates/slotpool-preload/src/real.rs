@@ -126,6 +126,19 @@ real_fns! {
     /// `cudaError_t cudaDeviceSynchronize(void)`.
     fn cuda_device_synchronize: Runtime c"cudaDeviceSynchronize" =>
         unsafe extern "C" fn() -> c_int;
+    /// `cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind)`.
+    fn cuda_memcpy: Runtime c"cudaMemcpy" =>
+        unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int) -> c_int;
+    /// `cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count,
+    /// cudaMemcpyKind kind, cudaStream_t stream)`.
+    fn cuda_memcpy_async: Runtime c"cudaMemcpyAsync" =>
+        unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, Stream) -> c_int;
+    /// `cudaError_t cudaMemset(void* devPtr, int value, size_t count)`.
+    fn cuda_memset: Runtime c"cudaMemset" =>
+        unsafe extern "C" fn(*mut c_void, c_int, usize) -> c_int;
+    /// `cudaError_t cudaMemsetAsync(void* devPtr, int value, size_t count, cudaStream_t stream)`.
+    fn cuda_memset_async: Runtime c"cudaMemsetAsync" =>
+        unsafe extern "C" fn(*mut c_void, c_int, usize, Stream) -> c_int;
     /// `CUresult cuMemAlloc_v2(CUdeviceptr* dptr, size_t bytesize)`.
     fn cu_mem_alloc: Driver c"cuMemAlloc_v2" =>
         unsafe extern "C" fn(*mut DevicePtr, usize) -> c_int;

@@ -132,6 +132,8 @@ type SpSnapshotJson = unsafe extern "C" fn(c_int, *mut *mut c_char, *mut usize) 
 type SpStringFree = unsafe extern "C" fn(*mut c_char) -> c_int;
 type SpMemoryPeaks = unsafe extern "C" fn(c_int, *mut u64, *mut u64) -> c_int;
 type SpEnablePeerAccess = unsafe extern "C" fn(c_int, c_int) -> c_int;
+type SpSimWrite = unsafe extern "C" fn(c_int, *mut c_void, *const c_void, usize) -> c_int;
+type SpSimRead = unsafe extern "C" fn(c_int, *const c_void, *mut c_void, usize) -> c_int;
 type SpAllocationInfo = unsafe extern "C" fn(
     *mut c_void,
     *mut *mut c_void,
@@ -162,9 +164,47 @@ pub struct Slotpool {
     memory_peaks: SpMemoryPeaks,
     /// Absent from a `libslotpool.so` older than this library: peer grants then stop at CUDA.
     enable_peer_access: Option<SpEnablePeerAccess>,
+    /// `sp_sim_write` and `sp_sim_read`, on the simulated backend only (see [`crate::copies`]).
+    sim_bytes: Option<(SpSimWrite, SpSimRead)>,
 }
 
 impl Slotpool {
+    /// Copies `n` host bytes at `src` to simulated device memory at `dst` (`sp_sim_write`); the
+    /// status, or `None` off the simulated backend.
+    ///
+    /// # Safety
+    ///
+    /// `src` must be valid for `n` reads; `dst` is checked by slotpool, never dereferenced.
+    pub unsafe fn sim_write(
+        &self,
+        device: c_int,
+        dst: usize,
+        src: *const c_void,
+        n: usize,
+    ) -> Option<c_int> {
+        // SAFETY: the caller's contract on `src`; sp_sim_write checks `dst`.
+        self.sim_bytes
+            .map(|(write, _)| unsafe { write(device, dst as *mut c_void, src, n) })
+    }
+
+    /// Copies `n` bytes of simulated device memory at `src` to host memory at `dst`
+    /// (`sp_sim_read`); the status, or `None` off the simulated backend.
+    ///
+    /// # Safety
+    ///
+    /// `dst` must be valid for `n` writes; `src` is checked by slotpool, never dereferenced.
+    pub unsafe fn sim_read(
+        &self,
+        device: c_int,
+        src: usize,
+        dst: *mut c_void,
+        n: usize,
+    ) -> Option<c_int> {
+        // SAFETY: the caller's contract on `dst`; sp_sim_read checks `src`.
+        self.sim_bytes
+            .map(|(_, read)| unsafe { read(device, src as *const c_void, dst, n) })
+    }
+
     /// Let device `peer` reach `device`'s vmm pages (`sp_enable_peer_access`); the status, or
     /// `None` when this `libslotpool.so` cannot.
     pub fn enable_peer_access(&self, device: c_int, peer: c_int) -> Option<c_int> {
@@ -568,8 +608,9 @@ fn start() -> Result<Slotpool, String> {
             symbol(h, c"sp_memory_peaks")?,
         )
     };
+    let sim = backend == "sim";
     Ok(Slotpool {
-        sim: backend == "sim",
+        sim,
         backend,
         path,
         log: report::log_enabled(),
@@ -583,6 +624,12 @@ fn start() -> Result<Slotpool, String> {
         memory_peaks,
         // SAFETY: see above.
         enable_peer_access: unsafe { symbol(h, c"sp_enable_peer_access") }.ok(),
+        sim_bytes: if sim {
+            // SAFETY: see above.
+            unsafe { Some((symbol(h, c"sp_sim_write")?, symbol(h, c"sp_sim_read")?)) }
+        } else {
+            None
+        },
     })
 }
 

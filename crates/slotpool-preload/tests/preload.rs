@@ -24,7 +24,7 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 /// The names the preload library exports: the interposed functions and nothing else.
-const EXPORTS: [&str; 9] = [
+const EXPORTS: [&str; 13] = [
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cudaDeviceEnablePeerAccess",
@@ -34,6 +34,10 @@ const EXPORTS: [&str; 9] = [
     "cudaMalloc",
     "cudaMallocAsync",
     "cudaMallocAsync_ptsz",
+    "cudaMemcpy",
+    "cudaMemcpyAsync",
+    "cudaMemset",
+    "cudaMemsetAsync",
 ];
 
 // ------------------------------------------------------------------------------------------------
@@ -132,12 +136,22 @@ fn lonely() -> &'static PathBuf {
 fn probe() -> Result<&'static PathBuf, &'static str> {
     static PROBE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     PROBE
-        .get_or_init(build_probe)
+        .get_or_init(|| build_c("preload_probe"))
         .as_ref()
         .map_err(String::as_str)
 }
 
-fn build_probe() -> Result<PathBuf, String> {
+/// The byte-checking program `tests/c/preload_bytes.c`, as [`probe`].
+fn bytes_program() -> Result<&'static PathBuf, &'static str> {
+    static PROGRAM: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    PROGRAM
+        .get_or_init(|| build_c("preload_bytes"))
+        .as_ref()
+        .map_err(String::as_str)
+}
+
+/// Builds `tests/c/<name>.c` against the wheel's real `libcudart.so.13`.
+fn build_c(name: &str) -> Result<PathBuf, String> {
     let wheel = target_dir().join("cudart-wheel");
     let lib = wheel.join("nvidia/cu13/lib");
     if !lib.join("libcudart.so.13").is_file() {
@@ -156,8 +170,8 @@ fn build_probe() -> Result<PathBuf, String> {
             ));
         }
     }
-    let source = repo_root().join("tests/c/preload_probe.c");
-    let exe = scratch().join(format!("preload_probe.{}", std::process::id()));
+    let source = repo_root().join(format!("tests/c/{name}.c"));
+    let exe = scratch().join(format!("{name}.{}", std::process::id()));
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let out = Command::new(&cc)
         .args(["-std=c11", "-O1", "-Wall", "-Wextra", "-Werror"])
@@ -171,14 +185,14 @@ fn build_probe() -> Result<PathBuf, String> {
         .output()
         .map_err(|e| format!("no C compiler ({cc}): {e}"))?;
     if !out.status.success() {
-        // A compiler that runs but rejects the probe is a bug here, not a missing tool.
+        // A compiler that runs but rejects the program is a bug here, not a missing tool.
         panic!(
             "compiling {} failed:\n{}",
             source.display(),
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let path = scratch().join("preload_probe");
+    let path = scratch().join(name);
     std::fs::rename(&exe, &path).unwrap();
     Ok(path)
 }
@@ -186,7 +200,10 @@ fn build_probe() -> Result<PathBuf, String> {
 /// Skips the calling test (prints why) when the probe cannot be built here.
 macro_rules! probe_or_skip {
     () => {
-        match probe() {
+        probe_or_skip!(probe)
+    };
+    ($program:ident) => {
+        match $program() {
             Ok(p) => p,
             Err(why) => {
                 eprintln!("SKIPPED: {why}");
@@ -580,4 +597,45 @@ fn sync_free_option_still_serves() {
     assert_eq!(run.field("malloc_again", "same"), "1", "{run:#?}");
     // cudaFreeAsync never synchronises.
     assert_eq!(run.rc("free_async"), 0, "{run:#?}");
+}
+
+#[test]
+fn sim_allocations_keep_their_bytes_through_cuda_copies() {
+    // tests/c/preload_bytes.c fills every allocation through cudaMemset / cudaMemcpy (served on
+    // simulated memory by the preload library), frees others from four threads, synchronises,
+    // empties the cache and reads everything back; it exits 0 only when every byte matched. Run
+    // in both growth modes, whose memory is organised differently (segments, mapped pages).
+    let program = probe_or_skip!(bytes_program);
+    for growth in ["vmm", "classic"] {
+        let conf = format!("sim_bytes:1,sim_memory_mb:2048,growth:{growth}");
+        let run = run(
+            program,
+            Some(installed()),
+            &[("SLOTPOOL_BACKEND", "sim"), ("SLOTPOOL_CONF", &conf)],
+        );
+        let ctx = format!("{growth}: {run:#?}");
+        assert_eq!(run.field("bytes", "failures"), "0", "{ctx}");
+        let checks: u64 = run.field("bytes", "checks").parse().unwrap();
+        let allocs: u64 = run.field("bytes", "allocs").parse().unwrap();
+        assert!(checks > 10_000, "{ctx}");
+        assert!(allocs > 500, "{ctx}");
+        assert_eq!(run.field("bytes", "frees"), allocs.to_string(), "{ctx}");
+    }
+    // Without sim_bytes the simulator keeps no bytes: the copies pass through to the real
+    // runtime (no driver here), so the program sees them fail.
+    if !gpu_here(baseline(probe_or_skip!())) {
+        let out = Command::new(program)
+            .env_remove("LD_LIBRARY_PATH")
+            .env("LD_PRELOAD", installed())
+            .env("SLOTPOOL_BACKEND", "sim")
+            .env("SLOTPOOL_CONF", "sim_memory_mb:2048")
+            .output()
+            .expect("run the byte program");
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("cudaMemset") && stderr.contains("rc 35"),
+            "{stderr}"
+        );
+    }
 }

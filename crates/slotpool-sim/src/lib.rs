@@ -16,6 +16,7 @@ mod memory;
 mod streams;
 #[cfg(test)]
 mod tests;
+mod work;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -35,6 +36,7 @@ use faults::Faults;
 use host::HostMemory;
 use memory::Memory;
 use streams::Streams;
+use work::Work;
 
 /// A simulated GPU backed by host memory.
 ///
@@ -71,9 +73,24 @@ use streams::Streams;
 /// 9. Host buffers (`alloc_host`) hold real bytes (sparse, read as 0 until written) and are
 ///    never reused; `copy_to_host` / `copy_from_host` copy between them and mapped memory, all
 ///    or nothing, and are illegal during any capture. `host_buffer_bytes()` is their total size.
+/// 10. Work queued by `launch_touching` touches its range until its unit completes. A successful
+///     `unmap` or `free_segment` of memory that pending work touches is made (as the driver
+///     would make it) and counted in `work_violations()`, the message kept in
+///     `last_work_violation()`.
 #[derive(Debug)]
 pub struct SimDevice {
     state: Mutex<State>,
+    /// Runs once after the next device synchronisation (`after_next_synchronize`).
+    sync_hook: Mutex<Option<SyncHook>>,
+}
+
+/// What `after_next_synchronize` runs.
+struct SyncHook(Box<dyn FnOnce() + Send>);
+
+impl std::fmt::Debug for SyncHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SyncHook")
+    }
 }
 
 /// Everything behind the device's lock.
@@ -82,6 +99,7 @@ struct State {
     memory: Memory,
     host: HostMemory,
     streams: Streams,
+    work: Work,
     captures: Captures,
     faults: Faults,
     contract_violations: u64,
@@ -169,6 +187,7 @@ impl SimDevice {
             memory: Memory::new(&config),
             host: HostMemory::default(),
             streams: Streams::new(config.auto_complete),
+            work: Work::default(),
             captures: Captures::default(),
             faults: Faults::default(),
             contract_violations: 0,
@@ -176,6 +195,7 @@ impl SimDevice {
         };
         SimDevice {
             state: Mutex::new(state),
+            sync_hook: Mutex::new(None),
         }
     }
 
@@ -343,6 +363,49 @@ impl SimDevice {
         }
     }
 
+    /// Queues one unit of work on `stream` that reads and writes `len` bytes at `ptr` until it
+    /// completes, as a kernel does: unmapping or freeing that memory before then is a work
+    /// violation (invariant 10). On a capturing stream the work goes into the graph and nothing
+    /// is queued.
+    pub fn launch_touching(&self, stream: StreamId, ptr: DevicePtr, len: u64) {
+        let mut s = self.lock();
+        if s.captures.status(stream).is_capturing() {
+            return;
+        }
+        s.streams.launch(stream);
+        let unit = s.streams.submitted(stream);
+        if s.streams.completed(stream) < unit {
+            s.work.touch(stream, unit, ptr, len);
+        }
+    }
+
+    /// Runs `f` once, right after the next successful `synchronize()` returns from the device and
+    /// before it returns to its caller, outside the device's lock (so `f` may call the device and
+    /// whatever holds it). Tests use it to put another thread's work in the window between a
+    /// synchronisation and what its caller does next. A second call replaces a hook not yet run.
+    pub fn after_next_synchronize(&self, f: impl FnOnce() + Send + 'static) {
+        *self
+            .sync_hook
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(SyncHook(Box::new(f)));
+    }
+
+    /// Ranges that queued work still touches, as `(stream, ptr, len)`, oldest first.
+    pub fn pending_touches(&self) -> Vec<(StreamId, DevicePtr, u64)> {
+        let s = &mut *self.lock();
+        s.work.pending(&s.streams)
+    }
+
+    /// Successful `unmap` / `free_segment` calls that freed memory queued work still touched.
+    pub fn work_violations(&self) -> u64 {
+        self.lock().work.violations
+    }
+
+    /// The message of the latest work violation.
+    pub fn last_work_violation(&self) -> Option<String> {
+        self.lock().work.last.clone()
+    }
+
     /// Completes all work queued on `stream` so far (and what its waits need).
     pub fn complete(&self, stream: StreamId) {
         self.lock().streams.complete(stream);
@@ -417,7 +480,9 @@ impl Device for SimDevice {
     fn free_segment(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
         let rule = CaptureRule::NoCapture;
         self.lock().call(CallKind::FreeSegment, rule, |s| {
-            s.memory.free_segment(ptr, size)
+            s.memory.free_segment(ptr, size)?;
+            s.work.freed(&s.streams, "free_segment", ptr, size);
+            Ok(())
         })
     }
 
@@ -454,8 +519,12 @@ impl Device for SimDevice {
 
     fn unmap(&self, ptr: DevicePtr) -> DeviceResult<()> {
         let rule = CaptureRule::NoCapture;
-        self.lock()
-            .call(CallKind::Unmap, rule, |s| s.memory.unmap(ptr))
+        self.lock().call(CallKind::Unmap, rule, |s| {
+            s.memory.unmap(ptr)?;
+            let page = s.memory.page_size();
+            s.work.freed(&s.streams, "unmap", ptr, page);
+            Ok(())
+        })
     }
 
     fn add_peer(&self, peer: i32) -> DeviceResult<()> {
@@ -505,7 +574,16 @@ impl Device for SimDevice {
         self.lock().call(CallKind::SynchronizeEvent, rule, |s| {
             s.streams.complete_all();
             Ok(())
-        })
+        })?;
+        let hook = self
+            .sync_hook
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(SyncHook(f)) = hook {
+            f();
+        }
+        Ok(())
     }
 
     fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {

@@ -5,7 +5,10 @@
 //! (`model.rs`): `sp_check_invariants`, device and pool statistics, live sets, use counts and the
 //! bytes of every live allocation (the sim keeps bytes: `sim_bytes:1`); every bad call must
 //! return its documented code with a message and leave the statistics and the snapshot exactly as
-//! they were.
+//! they were. Under memory pressure (device and pool limits set just above what is held,
+//! allocations up to the device's memory; `model/pressure.rs`) a call may also run out of memory:
+//! the model checks what it can know (nothing changed, the report adds up, the limits hold) and
+//! restores checkpoints and variant groups taken before the pressure.
 //!
 //! Each growth mode runs in a child process of this binary (the library is initialised once per
 //! process). A short run by default; `PROPTEST_CASES` sets the number of sequences
@@ -72,7 +75,18 @@ fn child() {
     let Ok(conf) = std::env::var(CONF) else {
         return;
     };
-    let conf = format!("sim_devices:2,sim_memory_mb:1024,sim_bytes:1,{conf}");
+    let vmm_page = conf.contains("growth:vmm").then(|| {
+        let mb: usize = conf
+            .split("vmm_page_mb:")
+            .nth(1)
+            .and_then(|v| v.split(',').next()?.parse().ok())
+            .expect("vmm_page_mb in the configuration");
+        mb << 20
+    });
+    let conf = format!(
+        "sim_devices:2,sim_memory_mb:{},sim_bytes:1,{conf}",
+        model::CAPACITY >> 20
+    );
     let c = std::ffi::CString::new(conf).unwrap();
     // SAFETY: NUL-terminated strings.
     common::ok(unsafe { sp_init(c"sim".as_ptr(), c.as_ptr()) });
@@ -87,8 +101,9 @@ fn child() {
     });
     let case = AtomicU64::new(0);
     let (steps, refused) = (AtomicU64::new(0), AtomicU64::new(0));
+    let (ooms, certain, pressed) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
     let result = runner.run(&prop::collection::vec(ops::op(), 1..120), |seq| {
-        let mut m = model::Model::new(case.fetch_add(1, Ordering::Relaxed));
+        let mut m = model::Model::new(case.fetch_add(1, Ordering::Relaxed), vmm_page);
         let run = catch_unwind(AssertUnwindSafe(|| {
             for op in &seq {
                 m.step(op);
@@ -101,6 +116,9 @@ fn child() {
         }
         steps.fetch_add(seq.len() as u64, Ordering::Relaxed);
         refused.fetch_add(m.refused, Ordering::Relaxed);
+        ooms.fetch_add(m.ooms, Ordering::Relaxed);
+        certain.fetch_add(m.certain, Ordering::Relaxed);
+        pressed.fetch_add(m.after_pressure, Ordering::Relaxed);
         m.finish();
         Ok(())
     });
@@ -108,9 +126,13 @@ fn child() {
         panic!("{e}");
     }
     println!(
-        "sequences: {} cases, {} steps, {} refused calls checked",
+        "sequences: {} cases, {} steps, {} refused calls checked, {} out of memory, {} \
+         allocations known to fit, {} restores after out of memory",
         case.load(Ordering::Relaxed),
         steps.load(Ordering::Relaxed),
-        refused.load(Ordering::Relaxed)
+        refused.load(Ordering::Relaxed),
+        ooms.load(Ordering::Relaxed),
+        certain.load(Ordering::Relaxed),
+        pressed.load(Ordering::Relaxed)
     );
 }

@@ -9,24 +9,21 @@ use std::ffi::c_void;
 use std::ptr::{null, null_mut};
 
 use slotpool::*;
-use slotpool_sim::pattern_byte;
 
 use crate::common::*;
 use crate::ops::{Op, POOLS, STREAMS};
 
 mod bad;
 mod check;
+mod pattern;
+mod pressure;
+
+use pattern::{fill, verify};
+pub use pressure::CAPACITY;
+use pressure::{Limits, WINDOWED};
 
 /// Devices the sequence uses; pools, checkpoints, groups, arenas and routes live on device 0.
 pub const DEVICES: i32 = 2;
-/// Live bytes per device stay below this, far from the device's memory (1 GiB), so no call runs
-/// out of memory or reclaims caches under pressure.
-// Excluded until a checkpoint survives its pool's cache being reclaimed under memory pressure:
-// today a later restore (or sp_variant_begin) fails with "the shard no longer exists".
-const MAX_LIVE_BYTES: usize = 96 << 20;
-/// Bytes checked at each end and in the middle of a large allocation after every step (all of it
-/// at the end of a sequence).
-const WINDOW: usize = 4096;
 const INVALID: sp_status = sp_status::SP_ERR_INVALID_ARGUMENT;
 const STATE: sp_status = sp_status::SP_ERR_INVALID_STATE;
 const UNKNOWN_PTR: sp_status = sp_status::SP_ERR_UNKNOWN_POINTER;
@@ -47,14 +44,25 @@ struct Live {
     seed: u64,
 }
 
+impl Live {
+    /// Whether only windows of it hold the pattern (a large allocation: host memory).
+    fn windowed(&self) -> bool {
+        self.requested >= WINDOWED
+    }
+}
+
 struct Cp {
     handle: usize,
     pool: usize,
     live: Vec<Live>,
+    /// `Model::ooms` when it was taken.
+    ooms: u64,
 }
 
 struct Group {
     handle: usize,
+    /// `Model::ooms` when it was created.
+    ooms: u64,
     pool: usize,
     count: usize,
     base: Vec<Live>,
@@ -109,6 +117,18 @@ pub struct Model {
     /// when the sequence began: what sequences before it left behind (nothing, unless one failed).
     baseline: Vec<(i64, i64, i64)>,
     pub refused: u64,
+    /// Limits the sequence set (see `pressure.rs`).
+    limits: Limits,
+    /// The vmm page size; `None`: classic growth.
+    vmm_page: Option<usize>,
+    /// Calls answered `SP_ERR_OUT_OF_MEMORY`.
+    pub ooms: u64,
+    /// Allocations the model knew must succeed under a limit.
+    pub certain: u64,
+    /// Restores and variant begins of checkpoints taken before an out-of-memory answer.
+    pub after_pressure: u64,
+    /// A checkpoint, variant group or arena was made on device 0 (see `Model::must`).
+    retains: bool,
 }
 
 fn pool_id(b: u64) -> sp_pool_id {
@@ -187,46 +207,9 @@ fn snapshot() -> String {
     text
 }
 
-/// The ranges of a `size`-byte allocation whose pattern is checked after a step.
-fn windows(size: usize, all: bool) -> Vec<(usize, usize)> {
-    if all || size <= 3 * WINDOW {
-        vec![(0, size)]
-    } else {
-        vec![(0, WINDOW), (size / 2, WINDOW), (size - WINDOW, WINDOW)]
-    }
-}
-
-/// Checks that `size` bytes at `ptr` still hold the pattern of `seed` (a few windows of a large
-/// allocation, or all of it).
-#[track_caller]
-fn verify(dev: i32, ptr: usize, size: usize, seed: u64, all: bool, what: &str) {
-    for (off, len) in windows(size, all) {
-        let mut buf = vec![0u8; len];
-        // SAFETY: `buf` holds `len` bytes.
-        let s = unsafe {
-            sp_sim_read(
-                dev,
-                (ptr + off) as *const c_void,
-                buf.as_mut_ptr().cast(),
-                len,
-            )
-        };
-        assert_eq!(s, sp_status::SP_OK, "{what} {ptr:#x}: {}", last_error());
-        if let Some(i) = (0..len).find(|&i| buf[i] != pattern_byte(seed, (off + i) as u64)) {
-            panic!(
-                "{what} {ptr:#x} ({size} bytes, seed {seed}) lost its bytes: byte {} is {:#04x}, \
-                 expected {:#04x}",
-                off + i,
-                buf[i],
-                pattern_byte(seed, (off + i) as u64)
-            );
-        }
-    }
-}
-
 impl Model {
     /// A model for sequence number `case`, whose pools no other sequence uses.
-    pub fn new(case: u64) -> Model {
+    pub fn new(case: u64, vmm_page: Option<usize>) -> Model {
         let base = 1_000 + case * 8;
         let pools = std::array::from_fn(|i| pool_id(base + i as u64));
         for p in pools {
@@ -252,20 +235,18 @@ impl Model {
             next_seed: case << 32 | 1,
             baseline: check::baseline(),
             refused: 0,
+            limits: Limits::default(),
+            vmm_page,
+            ooms: 0,
+            certain: 0,
+            after_pressure: 0,
+            retains: false,
         }
     }
 
     fn seed(&mut self) -> u64 {
         self.next_seed += 1;
         self.next_seed
-    }
-
-    fn live_bytes(&self, dev: i32) -> usize {
-        self.live
-            .iter()
-            .filter(|l| l.dev == dev)
-            .map(|l| l.rounded)
-            .sum()
     }
 
     fn pool_live(&self, pool: usize) -> Vec<Live> {
@@ -292,7 +273,7 @@ impl Model {
         assert_eq!((base, req, d), (p, requested, dev));
         assert!(rounded >= requested);
         let seed = self.seed();
-        ok(sp_sim_fill(dev, p, requested, seed));
+        fill(dev, p as usize, requested, seed, requested >= WINDOWED);
         self.freed.retain(|&f| f != p as usize);
         let id = self.next_id;
         self.next_id += 1;
@@ -400,7 +381,7 @@ impl Model {
         for mut l in created {
             // Re-created: its bytes are the caller's to set again.
             l.seed = self.seed();
-            ok(sp_sim_fill(0, l.ptr as *mut c_void, l.requested, l.seed));
+            fill(0, l.ptr, l.requested, l.seed, l.windowed());
             self.freed.retain(|&f| f != l.ptr);
             self.live.push(l);
         }
@@ -441,26 +422,20 @@ impl Model {
         match *op {
             Op::Alloc { dev, size, stream } => {
                 let dev = i32::from(dev) % DEVICES;
-                if self.live_bytes(dev) + size > MAX_LIVE_BYTES {
-                    return;
-                }
                 let s = STREAMS[stream as usize];
                 let pool = if dev == 0 { self.routed(s) } else { None };
-                let mut p = null_mut();
-                // SAFETY: valid out-pointer.
-                ok(unsafe { sp_alloc(dev, size, s, &mut p) });
-                self.track(p, dev, pool, size, s);
+                self.alloc_under_pressure(dev, pool, size, s, "sp_alloc", |p| {
+                    // SAFETY: valid out-pointer.
+                    unsafe { sp_alloc(dev, size, s, p) }
+                });
             }
             Op::PoolAlloc { pool, size, stream } => {
-                if self.live_bytes(0) + size > MAX_LIVE_BYTES {
-                    return;
-                }
                 let pool = pool as usize;
-                let mut p = null_mut();
-                let s = STREAMS[stream as usize];
-                // SAFETY: valid out-pointer.
-                ok(unsafe { sp_pool_alloc(0, self.pools[pool], size, s, &mut p) });
-                self.track(p, 0, Some(pool), size, s);
+                let (id, s) = (self.pools[pool], STREAMS[stream as usize]);
+                self.alloc_under_pressure(0, Some(pool), size, s, "sp_pool_alloc", |p| {
+                    // SAFETY: valid out-pointer.
+                    unsafe { sp_pool_alloc(0, id, size, s, p) }
+                });
             }
             Op::Free { pick } => {
                 if self.live.is_empty() {
@@ -482,11 +457,13 @@ impl Model {
                 let mut cp = null_mut();
                 // SAFETY: valid out-pointer.
                 ok(unsafe { sp_checkpoint_take(0, self.pools[pool], &mut cp) });
+                self.retains = true;
                 let live = self.pool_live(pool);
                 self.cps.push(Cp {
                     handle: cp as usize,
                     pool,
                     live,
+                    ooms: self.ooms,
                 });
             }
             Op::Restore { cp, keep } => {
@@ -495,6 +472,7 @@ impl Model {
                 }
                 let c = &self.cps[cp as usize % self.cps.len()];
                 let (pool, handle, target) = (c.pool, c.handle, c.live.clone());
+                let pressed = c.ooms < self.ooms;
                 if !self.restorable(pool, &target) {
                     return;
                 }
@@ -507,12 +485,16 @@ impl Model {
                     .map(|(_, t)| t.ptr as *mut c_void)
                     .collect();
                 let mut d = null_mut();
+                let before = self.held();
                 // SAFETY: a live handle; `keep` holds keep.len() pointers; valid out-pointer.
-                ok(unsafe {
+                let status = unsafe {
                     sp_checkpoint_restore(handle as *const _, keep.as_ptr(), keep.len(), &mut d)
-                });
-                self.apply_restore(pool, &target, d);
-                self.keep_delta(d);
+                };
+                if self.answered(status, before, None, 0, "sp_checkpoint_restore") {
+                    self.after_pressure += u64::from(pressed);
+                    self.apply_restore(pool, &target, d);
+                    self.keep_delta(d);
+                }
             }
             Op::CheckpointFree { cp } => {
                 if self.cps.is_empty() {
@@ -540,9 +522,11 @@ impl Model {
                 let mut g = null_mut();
                 // SAFETY: valid out-pointer.
                 ok(unsafe { sp_variant_group_create(0, self.pools[pool], count as usize, &mut g) });
+                self.retains = true;
                 let base = self.pool_live(pool);
                 self.groups.push(Group {
                     handle: g as usize,
+                    ooms: self.ooms,
                     pool,
                     count: count as usize,
                     base,
@@ -555,17 +539,22 @@ impl Model {
                 }
                 let gr = &self.groups[g as usize % self.groups.len()];
                 let (pool, handle, base) = (gr.pool, gr.handle, gr.base.clone());
+                let pressed = gr.ooms < self.ooms;
                 if gr.active || !self.restorable(pool, &base) {
                     return;
                 }
                 let k = k as usize % gr.count;
                 let mut d = null_mut();
+                let before = self.held();
                 // SAFETY: a live handle; valid out-pointer.
-                ok(unsafe { sp_variant_begin(handle as *const _, k, &mut d) });
-                self.apply_restore(pool, &base, d);
-                self.keep_delta(d);
-                let n = self.groups.len();
-                self.groups[g as usize % n].active = true;
+                let status = unsafe { sp_variant_begin(handle as *const _, k, &mut d) };
+                if self.answered(status, before, None, 0, "sp_variant_begin") {
+                    self.after_pressure += u64::from(pressed);
+                    self.apply_restore(pool, &base, d);
+                    self.keep_delta(d);
+                    let n = self.groups.len();
+                    self.groups[g as usize % n].active = true;
+                }
             }
             Op::End { g } => {
                 let n = self.groups.len();
@@ -593,6 +582,7 @@ impl Model {
                 let mut id = 0;
                 // SAFETY: valid out-pointer.
                 ok(unsafe { sp_arena_create(0, self.arena_pool, 0, &mut id) });
+                self.retains = true;
                 self.arenas.push(Arena {
                     id,
                     slots: BTreeMap::new(),
@@ -608,11 +598,15 @@ impl Model {
                     return;
                 }
                 let mut p = null_mut();
+                let before = self.held();
+                let must = self.must(0, None, size).filter(|&m| !m);
                 // SAFETY: valid out-pointer.
-                ok(unsafe { sp_arena_alloc(0, self.arenas[i].id, 0, slot, size, &mut p) });
-                let seed = self.seed();
-                ok(sp_sim_fill(0, p, size, seed));
-                self.arenas[i].slots.insert(slot, (p as usize, size, seed));
+                let status = unsafe { sp_arena_alloc(0, self.arenas[i].id, 0, slot, size, &mut p) };
+                if self.answered(status, before, must, 0, "sp_arena_alloc") {
+                    let seed = self.seed();
+                    fill(0, p as usize, size, seed, size >= WINDOWED);
+                    self.arenas[i].slots.insert(slot, (p as usize, size, seed));
+                }
             }
             Op::ArenaFree { a, slot } => {
                 if self.arenas.is_empty() {
@@ -677,6 +671,12 @@ impl Model {
                 assert_eq!(n, self.uses[pool]);
             }
             Op::ResetPeaks => ok(sp_reset_peak_stats(-1)),
+            Op::Limit { dev, headroom } => {
+                self.set_device_limit(i32::from(dev) % DEVICES, headroom.map(|h| h as usize));
+            }
+            Op::PoolLimit { pool, headroom } => {
+                self.set_pool_limit(pool as usize, headroom.map(|h| h as usize));
+            }
             Op::SnapshotTake { traces } => {
                 if self.snapshots.len() >= 4 {
                     return;

@@ -86,6 +86,16 @@ pub enum Op {
         pool: u8,
     },
     ResetPeaks,
+    /// Device `dev`'s memory limit set `headroom` bytes above what it reserves (`None`: lifted).
+    Limit {
+        dev: u8,
+        headroom: Option<u32>,
+    },
+    /// A pool's limit set `headroom` bytes above what it reserves (`None`: lifted).
+    PoolLimit {
+        pool: u8,
+        headroom: Option<u32>,
+    },
     /// `sp_snapshot_take`, with the recorded history or not.
     SnapshotTake {
         traces: bool,
@@ -210,9 +220,19 @@ pub enum Bad {
 
 fn size() -> impl Strategy<Value = usize> {
     prop_oneof![
-        5 => 1usize..4096,
-        4 => 4096usize..262_144,
-        1 => (1usize << 20)..(6 << 20),
+        10 => 1usize..4096,
+        8 => 4096usize..262_144,
+        2 => (1usize << 20)..(6 << 20),
+        // Large: a few of them reach the device's memory (model::CAPACITY).
+        2 => (24usize << 20)..(160 << 20),
+    ]
+}
+
+/// Headroom of a limit: tight, within a few pages, or lifted.
+fn headroom() -> impl Strategy<Value = Option<u32>> {
+    prop_oneof![
+        3 => (0u32..(24 << 20)).prop_map(Some),
+        1 => Just(None),
     ]
 }
 
@@ -286,6 +306,9 @@ pub fn op() -> impl Strategy<Value = Op> {
         1 => pool.clone().prop_map(|pool| Op::Incref { pool }),
         1 => pool.prop_map(|pool| Op::Release { pool }),
         1 => Just(Op::ResetPeaks),
+        2 => (0u8..2, headroom()).prop_map(|(dev, headroom)| Op::Limit { dev, headroom }),
+        2 => (0u8..POOLS as u8, headroom())
+            .prop_map(|(pool, headroom)| Op::PoolLimit { pool, headroom }),
         1 => any::<bool>().prop_map(|traces| Op::SnapshotTake { traces }),
         1 => any::<u8>().prop_map(|pick| Op::SnapshotFree { pick }),
         12 => bad().prop_map(Op::Bad),

@@ -100,7 +100,14 @@ impl<D: Device> Allocator<D> {
         slot: u32,
         size: u64,
     ) -> AllocResult<DevicePtr> {
-        self.with_arena(arena, |a, env| a.alloc(env, branch, slot, size))
+        let attempt = || self.with_arena(arena, |a, env| a.alloc(env, branch, slot, size));
+        match attempt() {
+            // Out of memory: the rest of the device's cache is reclaimed first, as for blocks.
+            Err(AllocError::OutOfMemory(_)) => {
+                self.reclaim_and_retry(size, size.next_multiple_of(512), attempt)
+            }
+            other => other,
+        }
     }
 
     /// Free slot `slot` of `branch`.

@@ -45,7 +45,7 @@ impl<D: Device> Allocator<D> {
             allocated += s.counted_allocated();
             held += reserved;
             *per_pool.entry(pool).or_default() += reserved;
-            let reg = self.segments.read().unwrap_or_else(|e| e.into_inner());
+            let reg = self.segments.read();
             for (_, seg) in s.segments() {
                 ranges.push((seg.addr, seg.addr + seg.size));
                 match reg.get(&seg.addr) {
@@ -61,11 +61,7 @@ impl<D: Device> Allocator<D> {
                 }
             }
         }
-        let registered = self
-            .segments
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .len();
+        let registered = self.segments.read().len();
         if registered != ranges.len() {
             return Err(format!(
                 "1: {registered} segments registered, {} in shards",

@@ -6,7 +6,7 @@ use std::sync::{Arc, Weak};
 use crate::allocator::{Allocator, ShardRef};
 use crate::checkpoint::{Checkpoint, CheckpointToken, MarkHolder, RestoreDelta, RestoreDiff};
 use crate::device::{Device, DevicePtr};
-use crate::error::{AllocError, AllocResult};
+use crate::error::{AllocError, AllocResult, OomReport};
 use crate::pool::PoolId;
 use crate::shard::{ShardCell, ShardError};
 use crate::sync::lock;
@@ -107,6 +107,24 @@ impl<D: Device> Allocator<D> {
         checkpoint: &Checkpoint,
         keep_live: &[DevicePtr],
     ) -> AllocResult<RestoreDelta> {
+        let attempt = || self.restore_once(pool, checkpoint, keep_live);
+        match attempt() {
+            // Out of memory: the rest of the device's cache is reclaimed first, as for blocks.
+            Err(AllocError::OutOfMemory(r)) => {
+                self.reclaim_and_retry(r.requested, r.rounded, attempt)
+            }
+            other => other,
+        }
+    }
+
+    /// [`Allocator::restore`] without reclaiming: out of memory comes back with the bytes the
+    /// restore needed and no other figure.
+    fn restore_once(
+        &self,
+        pool: PoolId,
+        checkpoint: &Checkpoint,
+        keep_live: &[DevicePtr],
+    ) -> AllocResult<RestoreDelta> {
         if checkpoint.allocator != self.uid {
             return Err(AllocError::InvalidArgument(Box::new(
                 "checkpoint belongs to another allocator".into(),
@@ -191,10 +209,18 @@ impl<D: Device> Allocator<D> {
         }
         for ((cell, shard), plan) in cells.iter().zip(guards.iter_mut()).zip(&plans) {
             let env = self.env(&cell.pool_budget);
-            shard.restore_map(&env, plan).map_err(|e| match e {
-                ShardError::OutOfMemory => AllocError::OutOfMemory(Box::default()),
-                other => crate::allocator::shard_error(other),
-            })?;
+            match shard.restore_map(&env, plan) {
+                Ok(()) => {}
+                Err(ShardError::OutOfMemory) => {
+                    let bytes = plans.iter().flat_map(|p| p.created()).map(|(_, s)| s).sum();
+                    return Err(AllocError::OutOfMemory(Box::new(OomReport {
+                        requested: bytes,
+                        rounded: bytes,
+                        ..OomReport::default()
+                    })));
+                }
+                Err(other) => return Err(crate::allocator::shard_error(other)),
+            }
         }
         let plans_len = plans.len();
         let mut delta = RestoreDelta {

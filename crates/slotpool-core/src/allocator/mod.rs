@@ -17,11 +17,17 @@ mod reclaim;
 mod registry;
 mod report;
 mod shards;
+#[cfg(test)]
+mod test_device;
+#[cfg(test)]
+mod tests;
 mod thread_cache;
+
+use thread_cache::{with_cached_shard, with_cached_shard_of};
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Weak};
 
 use rustc_hash::FxHashMap;
 
@@ -37,7 +43,7 @@ pub use crate::snapshot::{BlockSnapshot, SegmentSnapshot};
 use pools::PoolEntry;
 use shards::{ShardTable, shards_of};
 
-use crate::sync::lock;
+use crate::sync::{Mutex, RwLock, lock, rank};
 pub use checkpoint::VariantGroup;
 pub use readers::LiveAllocation;
 
@@ -138,17 +144,17 @@ impl<D: Device> Allocator<D> {
             counted: crate::counted::Counted::new(dev.clone()),
             dev,
             config,
-            arenas: Mutex::new(FxHashMap::default()),
+            arenas: Mutex::new(rank::ARENAS, FxHashMap::default()),
             next_arena: AtomicU64::new(1),
-            pools: Mutex::new(pools),
+            pools: Mutex::new(rank::POOLS, pools),
             next_named_pool: AtomicU64::new(1),
-            routes: Mutex::new(Vec::new()),
+            routes: Mutex::new(rank::ROUTES, Vec::new()),
             routes_active: AtomicUsize::new(0),
             captures_active: AtomicUsize::new(0),
-            shards: Mutex::new(FxHashMap::default()),
+            shards: Mutex::new(rank::SHARDS, FxHashMap::default()),
             generation: AtomicU64::new(0),
-            segments: RwLock::new(BTreeMap::new()),
-            reclaim: Mutex::new(()),
+            segments: RwLock::new(rank::SEGMENTS, BTreeMap::new()),
+            reclaim: Mutex::new(rank::RECLAIM, ()),
             num_alloc_retries: AtomicI64::new(0),
             num_ooms: AtomicI64::new(0),
         }
@@ -245,11 +251,11 @@ impl<D: Device> Allocator<D> {
             // The thread's cached shard, if it is still the table's shard of (default pool,
             // `stream`): no lookup, no reference count. `alloc_quick` hands out the cached
             // block of exactly `rounded` bytes, or declines with nothing changed.
-            let hit = self.with_cached_shard_of(PoolId::DEFAULT, stream, |cell| {
+            let hit = with_cached_shard_of!(self, PoolId::DEFAULT, stream, |cell| {
                 let env = self.env(&cell.pool_budget);
                 lock(&cell.shard).alloc_quick(&env, rounded, size)
             });
-            if let Some(Some((_, addr))) = hit {
+            if let Some((_, addr)) = hit {
                 return Ok(addr);
             }
         }
@@ -307,8 +313,9 @@ impl<D: Device> Allocator<D> {
             )));
         }
         // The thread's cached shard, used in place (no reference count traffic).
-        let fast =
-            self.with_cached_shard_of(pool, stream, |cell| self.alloc_on(cell, rounded, size));
+        let fast = with_cached_shard_of!(self, pool, stream, |cell| Some(
+            self.alloc_on(cell, rounded, size)
+        ));
         let mut result = match fast {
             Some(r) => r,
             None => {
@@ -355,7 +362,7 @@ impl<D: Device> Allocator<D> {
         // probe in its live map), and changes nothing when it fails, so that the registry can
         // ask the owner, which also reports the error. The cached shard may have been forgotten
         // since: it then owns no pointer, and the free fails.
-        let freed = self.with_cached_shard(|cell| {
+        let freed = with_cached_shard!(self, |cell| {
             let env = self.env(&cell.pool_budget);
             Some(lock(&cell.shard).free(&env, ptr).is_ok())
         });

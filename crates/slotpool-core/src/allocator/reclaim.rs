@@ -6,7 +6,6 @@ use crate::pool::PoolId;
 use crate::shard::ShardError;
 pub(crate) use crate::shard::ShardRef;
 use crate::sync::lock;
-use std::sync::MutexGuard;
 use std::sync::atomic::Ordering;
 
 use super::{Allocator, shard_error};
@@ -53,12 +52,17 @@ impl<D: Device> Allocator<D> {
             let synced = self.counted.synchronize().is_ok();
             self.release_all_cached(synced, true);
             self.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
-            match attempt(&cell) {
-                Ok(addr) => {
-                    return Ok(addr);
+            // The idle pages were kept in the device's page pool for the retry; those it could
+            // not use (a classic segment takes no page) go back to the device before the last.
+            for last in [false, true] {
+                if last {
+                    self.release_page_pool();
                 }
-                Err(ShardError::OutOfMemory) => {}
-                Err(e) => return Err(shard_error(e)),
+                match attempt(&cell) {
+                    Ok(addr) => return Ok(addr),
+                    Err(ShardError::OutOfMemory) => {}
+                    Err(e) => return Err(shard_error(e)),
+                }
             }
         }
         self.num_ooms.fetch_add(1, Ordering::Relaxed);
@@ -70,8 +74,42 @@ impl<D: Device> Allocator<D> {
         Err(AllocError::OutOfMemory(Box::new(report)))
     }
 
+    /// The last rungs of the ladder for memory that is no shard's (an arena's slot, a
+    /// restore's blocks): every unused cached byte of the device is released and `attempt`
+    /// retried, first with the idle pages kept in the device's page pool, then without them;
+    /// then the report.
+    pub(crate) fn reclaim_and_retry<T>(
+        &self,
+        size: u64,
+        rounded: u64,
+        attempt: impl Fn() -> AllocResult<T>,
+    ) -> AllocResult<T> {
+        if !self.capture_underway() {
+            let synced = self.counted.synchronize().is_ok();
+            self.release_all_cached(synced, true);
+            self.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
+            for last in [false, true] {
+                if last {
+                    self.release_page_pool();
+                }
+                match attempt() {
+                    Err(AllocError::OutOfMemory(_)) => {}
+                    other => return other,
+                }
+            }
+        }
+        self.num_ooms.fetch_add(1, Ordering::Relaxed);
+        Err(AllocError::OutOfMemory(Box::new(
+            self.oom_report(size, rounded),
+        )))
+    }
+
     pub(super) fn oom_report(&self, size: u64, rounded: u64) -> OomReport {
-        let (mut allocated, mut private_reserved, mut private_allocated) = (0, 0, 0);
+        // Arena slots are allocated bytes of the arenas' (private) pools.
+        let arena_allocated = self.arena_allocated_bytes();
+        let arena_reserved: u64 = self.arena_bytes().iter().map(|&(_, b)| b).sum();
+        let (mut allocated, mut private_reserved, mut private_allocated) =
+            (arena_allocated, arena_reserved, arena_allocated);
         for (&(pool, _), cell) in self.all_shards().iter() {
             let s = lock(&cell.shard);
             let shard_allocated = s.stats.allocated_bytes.all().current as u64;
@@ -145,7 +183,7 @@ impl<D: Device> Allocator<D> {
 
     /// Forget freeable pools that hold nothing any more (no shard, no live arena) and that no
     /// live checkpoint needs.
-    fn forget_freeable_pools(&self, reclaim: &MutexGuard<'_, ()>) {
+    fn forget_freeable_pools(&self, reclaim: &crate::sync::MutexGuard<'_, ()>) {
         self.drop_empty_shards(reclaim, None);
         let arena_pools = self.arena_pools();
         let mut pools = lock(&self.pools);

@@ -7,6 +7,7 @@ use crate::sync::lock;
 use std::sync::Arc;
 
 use super::Allocator;
+use super::thread_cache::with_cached_shard;
 
 impl<D: Device> Allocator<D> {
     /// Bring the segment registry up to date with a shard's changes (called under its lock).
@@ -19,7 +20,7 @@ impl<D: Device> Allocator<D> {
 
     #[cold]
     fn register_segments_now(&self, cell: &ShardRef, s: &mut Shard) {
-        let mut reg = self.segments.write().unwrap_or_else(|e| e.into_inner());
+        let mut reg = self.segments.write();
         for (addr, size, added) in s.take_segment_changes() {
             if added {
                 reg.insert(addr, (addr + size, Arc::downgrade(cell)));
@@ -36,7 +37,7 @@ impl<D: Device> Allocator<D> {
         ptr: DevicePtr,
         mut f: impl FnMut(&ShardRef, &mut Shard) -> R,
     ) -> Option<R> {
-        let fast = self.with_cached_shard(|cell| {
+        let fast = with_cached_shard!(self, |cell| {
             let mut s = lock(&cell.shard);
             s.lookup(ptr)?;
             Some(f(cell, &mut s))
@@ -54,7 +55,7 @@ impl<D: Device> Allocator<D> {
         mut f: impl FnMut(&ShardRef, &mut Shard) -> R,
     ) -> Option<R> {
         let cell = {
-            let reg = self.segments.read().unwrap_or_else(|e| e.into_inner());
+            let reg = self.segments.read();
             let (_, (end, owner)) = reg.range(..=ptr).next_back()?;
             if ptr >= *end {
                 return None;

@@ -7,15 +7,16 @@ use crate::shard::Shard;
 pub(crate) use crate::shard::{ShardCell, ShardRef};
 use crate::sync::lock;
 use rustc_hash::FxHashMap;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, MutexGuard};
 
 use super::Allocator;
+use super::thread_cache::with_cached_shard_of;
 
 impl<D: Device> Allocator<D> {
     /// The shard of (pool, stream), created on first use.
     pub(super) fn shard_for(&self, pool: PoolId, stream: StreamId) -> AllocResult<ShardRef> {
-        if let Some(cell) = self.with_cached_shard_of(pool, stream, ShardRef::clone) {
+        if let Some(cell) = with_cached_shard_of!(self, pool, stream, |cell| Some(cell.clone())) {
             return Ok(cell);
         }
         self.refresh_shard(pool, stream)
@@ -56,10 +57,7 @@ impl<D: Device> Allocator<D> {
             entry.checkpoints.iter().any(|c| c.strong_count() > 0),
             entry.options.pausable,
         );
-        let cell = Arc::new(ShardCell {
-            shard: crate::sync::ShardMutex::new(shard),
-            pool_budget: entry.budget.clone(),
-        });
+        let cell = Arc::new(ShardCell::new(shard, entry.budget.clone()));
         shards.insert((pool, stream), cell.clone());
         Ok(cell)
     }
@@ -88,7 +86,11 @@ impl<D: Device> Allocator<D> {
     /// shard outside the table, and the segment registry names only shards in it. Called under
     /// `reclaim` (the guard proves it), which checkpoints, restores and the OOM ladder also
     /// hold: no shard they have looked up is retired under them.
-    pub(crate) fn drop_empty_shards(&self, _reclaim: &MutexGuard<'_, ()>, pool: Option<PoolId>) {
+    pub(crate) fn drop_empty_shards(
+        &self,
+        _reclaim: &crate::sync::MutexGuard<'_, ()>,
+        pool: Option<PoolId>,
+    ) {
         let mut shards = lock(&self.shards);
         let before = shards.len();
         shards.retain(|&(p, _), cell| {

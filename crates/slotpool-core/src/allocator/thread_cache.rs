@@ -1,10 +1,12 @@
 //! The calling thread's cached shard: the shard the thread last allocated from, named with the
 //! allocator and the shard table's generation it was found at. Allocation uses it in place (no
 //! reference count traffic), and a free looks there first (each shard maps its own live
-//! pointers). Every use goes through [`Allocator::with_cached_shard`].
+//! pointers). Every look goes through one of two probes, [`with_cached_shard!`] and
+//! [`with_cached_shard_of!`]: macros, so that the probe is written once and still expands into
+//! the caller's own body (the hot paths inline it whole, as a closure handed to a function was
+//! not).
 
 use std::cell::RefCell;
-use std::sync::atomic::Ordering;
 
 use super::Allocator;
 use crate::device::{Device, StreamId};
@@ -12,58 +14,80 @@ use crate::pool::PoolId;
 use crate::shard::ShardRef;
 
 /// What the thread remembers.
-struct CachedShard {
-    allocator: u64,
+pub(super) struct CachedShard {
+    pub(super) allocator: u64,
     generation: u64,
     pool: PoolId,
     stream: StreamId,
-    shard: ShardRef,
+    pub(super) shard: ShardRef,
+}
+
+impl CachedShard {
+    /// Whether this is the shard of (`pool`, `stream`) of allocator `allocator` at
+    /// `generation` (no shard was forgotten since it was cached).
+    #[inline(always)]
+    pub(super) fn serves(
+        &self,
+        allocator: u64,
+        generation: u64,
+        pool: PoolId,
+        stream: StreamId,
+    ) -> bool {
+        self.allocator == allocator
+            && self.generation == generation
+            && self.pool == pool
+            && self.stream == stream
+    }
 }
 
 thread_local! {
-    static LAST_SHARD: RefCell<Option<CachedShard>> = const { RefCell::new(None) };
+    pub(super) static LAST_SHARD: RefCell<Option<CachedShard>> = const { RefCell::new(None) };
 }
 
-impl<D: Device> Allocator<D> {
-    /// `f` on the calling thread's cached shard, if it is one of this allocator's: the probe.
-    /// `None` where there is none (or the thread is being torn down). The shard may have been
-    /// forgotten since (a free finds nothing in it then; see [`Allocator::with_cached_shard_of`]).
-    #[inline(always)]
-    pub(super) fn with_cached_shard<R>(&self, f: impl FnOnce(&ShardRef) -> Option<R>) -> Option<R> {
-        LAST_SHARD
+/// `with_cached_shard!(allocator, |cell| body)`: `body` (an `Option`) with `cell` the calling
+/// thread's cached shard, if it is one of `allocator`'s; `None` where there is none (or the
+/// thread is being torn down). The shard may have been forgotten since: a free finds nothing in
+/// it then.
+macro_rules! with_cached_shard {
+    ($allocator:expr, |$cell:ident| $body:expr) => {
+        $crate::allocator::thread_cache::LAST_SHARD
             .try_with(|c| {
                 let c = c.borrow();
-                let e = c.as_ref().filter(|e| e.allocator == self.uid)?;
-                f(&e.shard)
+                let e = c.as_ref().filter(|e| e.allocator == $allocator.uid)?;
+                let $cell = &e.shard;
+                $body
             })
             .ok()
             .flatten()
-    }
+    };
+}
 
-    /// `f` on the calling thread's cached shard if it is the table's shard of (`pool`,
-    /// `stream`) now: no shard was forgotten since it was cached.
-    #[inline(always)]
-    pub(super) fn with_cached_shard_of<R>(
-        &self,
-        pool: PoolId,
-        stream: StreamId,
-        f: impl FnOnce(&ShardRef) -> R,
-    ) -> Option<R> {
-        let generation = self.generation.load(Ordering::Acquire);
-        LAST_SHARD
+/// `with_cached_shard_of!(allocator, pool, stream, |cell| body)`: `body` (an `Option`) with
+/// `cell` the calling thread's cached shard if it is `allocator`'s table's shard of (`pool`,
+/// `stream`) now (no shard was forgotten since it was cached); `None` otherwise.
+macro_rules! with_cached_shard_of {
+    ($allocator:expr, $pool:expr, $stream:expr, |$cell:ident| $body:expr) => {{
+        let generation = $allocator
+            .generation
+            .load(::std::sync::atomic::Ordering::Acquire);
+        $crate::allocator::thread_cache::LAST_SHARD
             .try_with(|c| {
                 let c = c.borrow();
                 let e = c.as_ref()?;
-                (e.allocator == self.uid
-                    && e.generation == generation
-                    && e.pool == pool
-                    && e.stream == stream)
-                    .then(|| f(&e.shard))
+                if !e.serves($allocator.uid, generation, $pool, $stream) {
+                    return None;
+                }
+                let $cell = &e.shard;
+                $body
             })
             .ok()
             .flatten()
-    }
+    }};
+}
 
+pub(super) use {with_cached_shard, with_cached_shard_of};
+
+impl<D: Device> Allocator<D> {
     /// Remember `cell` as the calling thread's shard of (`pool`, `stream`), found at table
     /// generation `generation` (read before the table was).
     pub(super) fn cache_shard(

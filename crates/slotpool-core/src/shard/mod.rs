@@ -99,6 +99,10 @@ pub struct Released {
 ///     physical page; a physical page backs at most one occupied slot (live blocks over it, or
 ///     graph-retained); no two non-free blocks reach the same byte of a physical page through
 ///     any of its slots; `reserved_bytes` counts each physical page once.
+///
+/// The fields are the shard's own (its children in `shard/` read them), except the seven that
+/// the pause code reads too: it lives with the allocator's pause calls in
+/// `allocator/pause.rs`, shard methods included.
 #[derive(Debug)]
 pub struct Shard {
     pool: PoolId,
@@ -171,6 +175,19 @@ pub struct Shard {
 pub(crate) struct ShardCell {
     pub shard: crate::sync::ShardMutex<Shard>,
     pub pool_budget: Arc<Budget>,
+}
+
+impl ShardCell {
+    /// `shard` behind its lock, keyed by its pool and stream (the order in which a pool's shards
+    /// are locked together).
+    pub(crate) fn new(shard: Shard, pool_budget: Arc<Budget>) -> Self {
+        let PoolId(a, b) = shard.pool;
+        let key = ((a as u128) << 64 | b as u128, shard.stream);
+        ShardCell {
+            shard: crate::sync::ShardMutex::new(shard, key),
+            pool_budget,
+        }
+    }
 }
 
 /// A shared shard, as the allocator's shard table holds it.

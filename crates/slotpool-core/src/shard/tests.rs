@@ -16,16 +16,10 @@ fn shards_made_in_a_row_share_no_cache_line() {
     let counter = crate::peak::PeakCounter::default();
     let cells: Vec<ShardRef> = (0..4)
         .map(|stream| {
-            Arc::new(ShardCell {
-                shard: crate::sync::ShardMutex::new(Shard::new(
-                    PoolId::DEFAULT,
-                    stream,
-                    false,
-                    &policy,
-                    counter.new_lease(),
-                )),
-                pool_budget: Arc::new(Budget::new(u64::MAX)),
-            })
+            Arc::new(ShardCell::new(
+                Shard::new(PoolId::DEFAULT, stream, false, &policy, counter.new_lease()),
+                Arc::new(Budget::new(u64::MAX)),
+            ))
         })
         .collect();
     for c in &cells {

@@ -6,6 +6,7 @@ mod faults;
 mod host;
 mod memory;
 mod streams;
+mod work;
 
 use slotpool_core::DeviceError;
 

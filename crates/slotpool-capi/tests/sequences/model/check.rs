@@ -6,7 +6,7 @@ use std::ptr::null_mut;
 
 use slotpool::*;
 
-use super::{DEVICES, Live, Model, pool_id, verify};
+use super::{DEVICES, Live, Model, WINDOWED, pool_id, verify};
 use crate::common::*;
 
 /// (count, requested bytes, rounded bytes) of `live`.
@@ -48,7 +48,7 @@ fn same_totals(s: &sp_memory_stats, want: (i64, i64, i64), what: &str) {
 impl Model {
     /// (count, requested bytes, rounded bytes) of the live arena slots (branch 0 only, so each
     /// live slot is one allocation of its requested size, rounded to 512 bytes).
-    fn arena_totals(&self) -> (i64, i64, i64) {
+    pub(super) fn arena_totals(&self) -> (i64, i64, i64) {
         self.arenas.iter().flat_map(|a| a.slots.values()).fold(
             (0, 0, 0),
             |(n, r, a), &(_, size, _)| {
@@ -97,10 +97,13 @@ impl Model {
             };
             // SAFETY: valid out-pointer.
             ok(unsafe { sp_pool_options_get(0, p, &mut o) });
+            let want = sp_pool_options {
+                limit_bytes: self.limits.pool[i].unwrap_or(0) as u64,
+                ..sp_pool_options::default()
+            };
             assert_eq!(
-                o,
-                sp_pool_options::default(),
-                "pool {i}: created with NULL options"
+                o, want,
+                "pool {i}: created with NULL options, a limit set since"
             );
         }
         for c in &self.cps {
@@ -109,8 +112,16 @@ impl Model {
             ok(unsafe { sp_checkpoint_info(c.handle as *const _, &mut dev, &mut pool) });
             assert_eq!((dev, pool), (0, self.pools[c.pool]), "checkpoint info");
         }
+        self.check_limits();
         for l in &self.live {
-            verify(l.dev, l.ptr, l.requested, l.seed, all, "allocation");
+            verify(
+                l.dev,
+                l.ptr,
+                l.requested,
+                l.seed,
+                all && !l.windowed(),
+                "allocation",
+            );
         }
         for a in &self.arenas {
             for (&slot, &(p, size, seed)) in &a.slots {
@@ -119,7 +130,7 @@ impl Model {
                     p,
                     size,
                     seed,
-                    all,
+                    all && size < WINDOWED,
                     &format!("arena {} slot {slot}", a.id),
                 );
             }
@@ -129,6 +140,7 @@ impl Model {
     /// Frees everything the sequence made, checking each step, and that nothing is left.
     pub fn finish(mut self) {
         self.check(true);
+        self.lift_limits();
         for (pool, _) in std::mem::take(&mut self.routes) {
             ok(sp_end_allocate_to_pool(0, self.pools[pool]));
         }
@@ -176,6 +188,13 @@ impl Model {
     /// runs next (shrinking the failure) start from a device without this one's routes and
     /// allocations.
     pub fn abandon(&mut self) {
+        for dev in 0..DEVICES {
+            sp_set_memory_limit(dev, 0);
+        }
+        for &p in &self.pools {
+            // SAFETY: a valid options struct.
+            unsafe { sp_pool_set_options(0, p, &sp_pool_options::default()) };
+        }
         for (pool, _) in std::mem::take(&mut self.routes) {
             sp_end_allocate_to_pool(0, self.pools[pool]);
         }
