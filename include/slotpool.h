@@ -518,7 +518,8 @@ sp_status sp_pool_pause(int device, sp_pool_id id, uint32_t flags);
 
 /** Maps new physical memory at every paused address of pool id and copies the backup back.
  *  The backup's pinned buffer is kept for the pool's next backup (pinning memory costs far more
- *  than copying it) until sp_pool_empty_cache or sp_empty_cache frees it. Errors (the pool stays paused, its backup kept): SP_ERR_UNKNOWN_POOL,
+ *  than copying it) while the pool is in use; once its last use is released, sp_empty_cache
+ *  frees it. Errors (the pool stays paused, its backup kept): SP_ERR_UNKNOWN_POOL,
  *  SP_ERR_INVALID_STATE (not paused, a capture underway), SP_ERR_OUT_OF_MEMORY. */
 sp_status sp_pool_resume(int device, sp_pool_id id);
 

@@ -16,7 +16,7 @@
 # (setCheckpointPoolState under slotpool_torch and PyTorch's allocator: benches/gpu/ckpt_state_bench.py), baselines (PyTorch's own figures: ckpt_probe, graph_variants, seed_shared_pools,
 # trace_workloads under three allocator settings), record_traces (the three workload traces),
 # record_seed (the seed scenario's allocation trace), oom_probe (where an unsatisfiable allocation crashes under slotpool_torch), vmm_sizes
-# (growth cost per chunk size), host_sim (the criterion host-cost bench on this host), host_restore
+# (growth cost per chunk size), vmm_runs (pause / resume at the driver: pages against physical runs), host_sim (the criterion host-cost bench on this host), host_restore
 # (the criterion checkpoint / restore bench on this host), ipc_probe (PyTorch's own CUDA IPC handle
 # of expandable-segment memory), host_abi
 # (sp_alloc + sp_free through the .so, simulated device and CUDA, one thread and 16), cpu_probe (the same, pinned to
@@ -187,6 +187,18 @@ if has vmm_sizes; then
   else
     note vmm_sizes "\"build\": false"
     tail -n 30 "$OUT/vmm_sizes_build.log"
+  fi
+fi
+
+if has vmm_runs; then
+  # Pause / resume at the driver: per page against per physical run, one unmap over several
+  # mappings, cuMemRelease, copy bandwidth and the pinning of the backup buffer (1, 10, 40 GB).
+  if nvcc -O2 -std=c++17 benches/gpu/vmm_runs.cu -lcuda -o "$BUILD/vmm_runs" >"$OUT/vmm_runs_build.log" 2>&1; then
+    run vmm_runs 540 "$BUILD/vmm_runs"
+    grep '^{' "$OUT/vmm_runs.log" | sed 's/^{/{"step": "vmm_runs", /' >>"$RES"
+  else
+    note vmm_runs "\"build\": false"
+    tail -n 30 "$OUT/vmm_runs_build.log"
   fi
 fi
 

@@ -9,6 +9,7 @@ mod lifetimes;
 mod model;
 mod oom;
 mod pause;
+mod pause_runs;
 mod peaks;
 mod queued_work;
 mod quick;

@@ -146,10 +146,21 @@ fn a_backed_up_pause_gives_memory_back_and_the_resume_restores_every_byte() {
     for &(p, size, seed) in &live {
         verify_probes(&dev, p, size, seed).unwrap();
     }
-    // empty_cache frees it with the rest of the cache.
+    // empty_cache keeps it while the pool is in use (its next backup pins nothing)...
+    let spare = dev.host_buffer_bytes();
     alloc.empty_pool_cache(pool).unwrap();
+    alloc.empty_cache();
+    assert_eq!(
+        dev.host_buffer_bytes(),
+        spare,
+        "spare host buffer freed in use"
+    );
+    assert_eq!(alloc.pool_pause_state(pool).unwrap().host_bytes, spare);
+    checked(&dev, &alloc);
+    // ... and frees it once the pool is released.
+    alloc.release_pool(pool).unwrap();
+    alloc.empty_cache();
     assert_eq!(dev.host_buffer_bytes(), 0, "spare host buffer not freed");
-    assert_eq!(alloc.pool_pause_state(pool).unwrap().host_bytes, 0);
     checked(&dev, &alloc);
 }
 
@@ -415,9 +426,16 @@ mod model {
 
     #[derive(Clone, Debug)]
     enum Op {
-        Alloc { pool: usize, size: u64, stream: u64 },
+        Alloc {
+            pool: usize,
+            size: u64,
+            stream: u64,
+        },
         Free(usize),
-        Pause { pool: usize, backup: bool },
+        Pause {
+            pool: usize,
+            backup: bool,
+        },
         Resume(usize),
         Checkpoint(usize),
         Restore(usize),
@@ -427,6 +445,8 @@ mod model {
         EndRoute,
         EmptyCache,
         EmptyPoolCache(usize),
+        /// Whether the device unmaps ranges over several mappings in one call.
+        SpanUnmap(bool),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -444,6 +464,7 @@ mod model {
             1 => Just(Op::EndRoute),
             1 => Just(Op::EmptyCache),
             1 => (0usize..3).prop_map(Op::EmptyPoolCache),
+            1 => any::<bool>().prop_map(Op::SpanUnmap),
         ]
     }
 
@@ -638,6 +659,10 @@ mod model {
                 }
                 Op::EmptyPoolCache(pool) => {
                     alloc.empty_pool_cache(pools[*pool]).unwrap();
+                    false
+                }
+                Op::SpanUnmap(on) => {
+                    dev.set_span_unmap(*on);
                     false
                 }
             };

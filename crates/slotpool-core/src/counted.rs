@@ -9,9 +9,12 @@ use crate::device::{
     CaptureStatus, Device, DevicePtr, DeviceResult, EventHandle, HostBuffer, PageHandle, StreamId,
 };
 
-/// Backend calls made so far, by kind. `map` counts pages (a run of n pages is n maps);
-/// `synchronize` counts `synchronize_event` and `synchronize`. The C ABI's `sp_backend_calls`
-/// itself (slotpool-abi), so that its fields are written once and reach C unconverted.
+/// Backend calls made so far, by kind. `map` counts pages mapped one by one (a run of n pages
+/// is n maps); a physical run (`crate::block::runs`) counts one `create_page`, one `map`, one
+/// `unmap` and one `release_page`, as the driver sees it, and an unmap of several pages in one
+/// call ([`Device::unmap_range`]) one `unmap`; `synchronize` counts `synchronize_event` and
+/// `synchronize`. The C ABI's `sp_backend_calls` itself (slotpool-abi), so that its fields are
+/// written once and reach C unconverted.
 pub type BackendCalls = slotpool_abi::sp_backend_calls;
 
 const KINDS: usize = 12;
@@ -108,6 +111,21 @@ impl Device for Counted {
     fn unmap(&self, ptr: DevicePtr) -> DeviceResult<()> {
         self.count(7, 1);
         self.dev.unmap(ptr)
+    }
+    fn create_run(&self, pages: usize) -> DeviceResult<PageHandle> {
+        self.count(4, 1);
+        self.dev.create_run(pages)
+    }
+    fn map_whole(&self, ptr: DevicePtr, run: PageHandle, pages: usize) -> DeviceResult<()> {
+        self.count(6, 1);
+        self.dev.map_whole(ptr, run, pages)
+    }
+    fn unmap_range(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        // A range the backend refuses made no driver call worth counting (the allocator then
+        // unmaps page by page, counted there).
+        self.dev
+            .unmap_range(ptr, size)
+            .inspect(|()| self.count(7, 1))
     }
     fn create_event(&self) -> DeviceResult<EventHandle> {
         self.count(8, 1);

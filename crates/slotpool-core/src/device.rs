@@ -88,7 +88,8 @@ pub type DeviceResult<T> = Result<T, DeviceError>;
 /// 2. `map` only maps a page into a reserved range, at a multiple of [`Device::page_size`], where
 ///    nothing is mapped; `unmap` only unmaps what `map` mapped. A page may be mapped at several
 ///    addresses at once (an alias: its bytes are the same at each, see `slotpool_core::alias`);
-///    `release_page` only releases a page that is mapped nowhere.
+///    `release_page` only releases a page that is mapped nowhere. A physical run
+///    ([`Device::create_run`]) is only mapped whole, at one place, and unmapped whole.
 /// 3. Events are destroyed only when no longer recorded-and-awaited.
 /// 4. During capture of any stream, the allocator calls no `query_event`, `synchronize_event` or
 ///    `record_event` on a capturing stream, and calls `alloc_segment` / `map` only through a backend
@@ -145,6 +146,43 @@ pub trait Device: Send + Sync + 'static {
     /// Unmap the page mapped at `ptr` (`cuMemUnmap`). The caller guarantees that no pending work
     /// can touch it.
     fn unmap(&self, ptr: DevicePtr) -> DeviceResult<()>;
+
+    /// Create one physical allocation of `pages` pages (`cuMemCreate` of `pages` times the page
+    /// size): a *physical run* (`slotpool_core::block::runs`), mapped whole with
+    /// [`Device::map_whole`], unmapped whole with [`Device::unmap_range`] and given back with
+    /// [`Device::release_page`]. Backends without runs refuse it ([`DeviceError::Unavailable`]):
+    /// the allocator then maps page by page.
+    fn create_run(&self, pages: usize) -> DeviceResult<PageHandle> {
+        let _ = pages;
+        Err(DeviceError::Unavailable(
+            "this backend has no physical runs".into(),
+        ))
+    }
+
+    /// Map the whole run `run` of `pages` pages at `ptr` as one mapping and make it accessible
+    /// (`cuMemMap` at offset 0 + one `cuMemSetAccess`); on error nothing stays mapped. The
+    /// addresses are page slots of one reservation where nothing is mapped.
+    fn map_whole(&self, ptr: DevicePtr, run: PageHandle, pages: usize) -> DeviceResult<()> {
+        let _ = (ptr, run, pages);
+        Err(DeviceError::Unavailable(
+            "this backend has no physical runs".into(),
+        ))
+    }
+
+    /// Unmap the whole mappings that cover exactly `[ptr, ptr + size)` (a run, or pages mapped
+    /// one by one next to each other) in one driver call (`cuMemUnmap` over the range); all or
+    /// nothing. A backend that cannot unmap several mappings at once refuses a range of several
+    /// (the default: only one page, through [`Device::unmap`]); the allocator then unmaps page by
+    /// page. A range that is one run is always accepted by a backend that makes runs. The caller
+    /// guarantees that no pending work can touch the range.
+    fn unmap_range(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        if size == self.page_size() {
+            return self.unmap(ptr);
+        }
+        Err(DeviceError::Unavailable(
+            "this backend unmaps one mapping per call".into(),
+        ))
+    }
 
     /// Create an event (timing disabled).
     fn create_event(&self) -> DeviceResult<EventHandle>;

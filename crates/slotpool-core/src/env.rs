@@ -98,9 +98,13 @@ impl Budget {
 
 /// Unmapped physical pages, ready to be mapped anywhere on the device. They were unmapped only
 /// after the work that last touched them completed, so any stream may use them at once.
+///
+/// It also holds the *stray runs*: physical runs ([`crate::block::runs`]) that nothing maps and that
+/// the driver refused to release; they stay in the device budget until a release succeeds.
 #[derive(Debug, Default)]
 pub struct PagePool {
     pages: Mutex<Vec<PageHandle>>,
+    runs: Mutex<Vec<(PageHandle, u64)>>,
 }
 
 impl PagePool {
@@ -122,6 +126,20 @@ impl PagePool {
 
     pub fn drain(&self) -> Vec<PageHandle> {
         std::mem::take(&mut *lock(&self.pages))
+    }
+
+    /// Keep a run of `bytes` that the driver refused to release.
+    pub fn put_run(&self, run: PageHandle, bytes: u64) {
+        lock(&self.runs).push((run, bytes));
+    }
+
+    /// Bytes of the stray runs.
+    pub fn run_bytes(&self) -> u64 {
+        lock(&self.runs).iter().map(|&(_, b)| b).sum()
+    }
+
+    pub fn drain_runs(&self) -> Vec<(PageHandle, u64)> {
+        std::mem::take(&mut *lock(&self.runs))
     }
 }
 

@@ -41,11 +41,13 @@
 //! | [`reserve`](slotpool_core::Device::reserve) | `cuMemAddressReserve` |
 //! | [`create_page`](slotpool_core::Device::create_page) | `cuMemCreate` |
 //! | [`map`](slotpool_core::Device::map) | `cuMemMap`, `cuMemSetAccess` |
+//! | [`create_run`](slotpool_core::Device::create_run) | `cuMemCreate` |
+//! | [`map_whole`](slotpool_core::Device::map_whole) | `cuMemMap`, `cuMemSetAccess` |
 //! | [`CudaDevice::import_pages`] | `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess` |
 //!
-//! Nothing else is relaxed: `free_segment` (`cuMemFree_v2`), `unmap`, `release_page`,
-//! `release_reservation` and the event calls run in the caller's mode, so calling them at an
-//! illegal moment surfaces as [`DeviceError::IllegalDuringCapture`]. The allocator defers frees
+//! Nothing else is relaxed: `free_segment` (`cuMemFree_v2`), `unmap`, `unmap_range`,
+//! `release_page`, `release_reservation` and the event calls run in the caller's mode, so calling
+//! them at an illegal moment surfaces as [`DeviceError::IllegalDuringCapture`]. The allocator defers frees
 //! while captures are underway (see [`slotpool_core::Device`]'s contract).
 //!
 //! Measured on an H200 (driver 580.159, CUDA 13.0, `examples/cuda_probe`, 2026-11-29), each call
@@ -69,6 +71,8 @@ mod device;
 pub mod error;
 mod host;
 mod ipc;
+mod streams;
+mod vmm;
 
 pub use device::{CudaDevice, driver_present};
 pub use error::guard;

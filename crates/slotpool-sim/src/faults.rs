@@ -39,6 +39,12 @@ pub enum CallKind {
     CopyToHost,
     /// `copy_from_host`.
     CopyFromHost,
+    /// `create_run`.
+    CreateRun,
+    /// `map_whole`.
+    MapWhole,
+    /// `unmap_range`.
+    UnmapRange,
 }
 
 /// Number of [`CallKind`]s.
@@ -46,7 +52,7 @@ const KINDS: usize = CallKind::ALL.len();
 
 impl CallKind {
     /// Every kind, in declaration order.
-    pub const ALL: [CallKind; 18] = [
+    pub const ALL: [CallKind; 21] = [
         CallKind::AllocSegment,
         CallKind::FreeSegment,
         CallKind::Reserve,
@@ -65,6 +71,9 @@ impl CallKind {
         CallKind::FreeHost,
         CallKind::CopyToHost,
         CallKind::CopyFromHost,
+        CallKind::CreateRun,
+        CallKind::MapWhole,
+        CallKind::UnmapRange,
     ];
 
     /// The `Device` method's name, e.g. `"free_segment"`.
@@ -88,6 +97,9 @@ impl CallKind {
             CallKind::FreeHost => "free_host",
             CallKind::CopyToHost => "copy_to_host",
             CallKind::CopyFromHost => "copy_from_host",
+            CallKind::CreateRun => "create_run",
+            CallKind::MapWhole => "map_whole",
+            CallKind::UnmapRange => "unmap_range",
         }
     }
 }

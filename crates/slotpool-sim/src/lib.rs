@@ -253,6 +253,18 @@ impl SimDevice {
         self.lock().memory.counts().2
     }
 
+    /// Live physical runs (`create_run`; their pages count in `page_count` too).
+    pub fn run_count(&self) -> usize {
+        self.lock().memory.run_count()
+    }
+
+    /// Whether `unmap_range` takes a range over several mappings (on by default, as the CUDA
+    /// driver does if the GPU probe `benches/gpu/vmm_runs.cu` finds so); off, it refuses them as
+    /// `Unavailable`, a driver that unmaps one mapping per call.
+    pub fn set_span_unmap(&self, on: bool) {
+        self.lock().memory.span_unmap = on;
+    }
+
     /// Live pages mapped nowhere (a page mapped at several addresses counts in neither).
     pub fn unmapped_page_count(&self) -> usize {
         self.lock().memory.unmapped_pages()
@@ -524,6 +536,26 @@ impl Device for SimDevice {
             let page = s.memory.page_size();
             s.work.freed(&s.streams, "unmap", ptr, page);
             Ok(())
+        })
+    }
+
+    fn create_run(&self, pages: usize) -> DeviceResult<PageHandle> {
+        let rule = CaptureRule::Allowed;
+        self.lock()
+            .call(CallKind::CreateRun, rule, |s| s.memory.create_run(pages))
+    }
+
+    fn map_whole(&self, ptr: DevicePtr, run: PageHandle, pages: usize) -> DeviceResult<()> {
+        let rule = CaptureRule::Allowed;
+        self.lock().call(CallKind::MapWhole, rule, |s| {
+            s.memory.map_whole(ptr, run, pages)
+        })
+    }
+
+    fn unmap_range(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        let rule = CaptureRule::NoCapture;
+        self.lock().call(CallKind::UnmapRange, rule, |s| {
+            s.memory.unmap_range(ptr, size)
         })
     }
 

@@ -8,6 +8,8 @@ use slotpool_core::{DeviceError, DevicePtr, DeviceResult, PageHandle};
 use crate::bytes::{Store, pattern_into};
 use crate::config::{Backing, SimConfig};
 
+mod runs;
+
 /// The first address handed out.
 const BASE: DevicePtr = 0x7f00_0000_0000;
 /// What never-written segment bytes read as.
@@ -68,6 +70,9 @@ impl Range {
 struct Page {
     mapped_at: Vec<DevicePtr>,
     bytes: Store,
+    /// The physical run this page is part of (`runs.rs`): mapped, unmapped and released only
+    /// with its run.
+    run: Option<PageHandle>,
 }
 
 /// Where some bytes of an access live: a segment (by start) or a page.
@@ -104,6 +109,10 @@ pub(crate) struct Memory {
     peers: Vec<i32>,
     /// Mapped page address -> the peers that may access it (this device always may).
     access: HashMap<DevicePtr, Vec<i32>>,
+    /// Physical runs by handle (`runs.rs`).
+    runs: HashMap<PageHandle, runs::SimRun>,
+    /// Whether `unmap_range` takes a range over several mappings (as the CUDA driver may).
+    pub(crate) span_unmap: bool,
 }
 
 /// An `InvalidArgument` error.
@@ -126,6 +135,8 @@ impl Memory {
             mapped: 0,
             peers: Vec::new(),
             access: HashMap::new(),
+            runs: HashMap::new(),
+            span_unmap: true,
         }
     }
 
@@ -306,6 +317,7 @@ impl Memory {
         let page = Page {
             mapped_at: Vec::new(),
             bytes: Store::new(PAGE_POISON),
+            run: None,
         };
         self.pages.insert(handle, page);
         Ok(handle)
@@ -322,8 +334,14 @@ impl Memory {
 
     pub(crate) fn release_page(&mut self, page: PageHandle) -> DeviceResult<()> {
         let call = format!("release_page({})", page.0);
+        if self.runs.contains_key(&page) {
+            return self.release_run(page);
+        }
         match self.pages.get(&page) {
             None => return invalid(self.dead_page(&call, page)),
+            Some(Page { run: Some(r), .. }) => {
+                return invalid(format!("{call}: the page is part of run {}", r.0));
+            }
             Some(Page { mapped_at, .. }) if !mapped_at.is_empty() => {
                 return invalid(format!(
                     "{call}: the page is still mapped at {:#x}",
@@ -339,8 +357,12 @@ impl Memory {
 
     pub(crate) fn map(&mut self, ptr: DevicePtr, page: PageHandle) -> DeviceResult<()> {
         let call = format!("map({ptr:#x}, page {})", page.0);
-        if !self.pages.contains_key(&page) {
-            return invalid(self.dead_page(&call, page));
+        match self.pages.get(&page) {
+            None => return invalid(self.dead_page(&call, page)),
+            Some(Page { run: Some(r), .. }) => {
+                return invalid(format!("{call}: the page is part of run {}", r.0));
+            }
+            Some(_) => {}
         }
         if !ptr.is_multiple_of(self.page_size) {
             return invalid(format!("{call}: address is not page-aligned"));
@@ -371,6 +393,15 @@ impl Memory {
         let Some(Range::Reservation { mapped, .. }) = self.ranges.get_mut(&start) else {
             return invalid(format!("{call}: reservation vanished"));
         };
+        match mapped.get(&ptr) {
+            None => return invalid(format!("{call}: no page is mapped at that address")),
+            Some(page) if self.pages.get(page).is_some_and(|p| p.run.is_some()) => {
+                return invalid(format!(
+                    "{call}: the page is part of a run's mapping, unmapped only whole"
+                ));
+            }
+            Some(_) => {}
+        }
         let Some(page) = mapped.remove(&ptr) else {
             return invalid(format!("{call}: no page is mapped at that address"));
         };

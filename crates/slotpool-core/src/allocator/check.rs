@@ -24,7 +24,7 @@ impl<D: Device> Allocator<D> {
         let ps = self.shared.page_size;
         let shards = self.all_shards();
         let mut ranges = Vec::new();
-        let mut held = self.shared.pages.len() as u64 * ps;
+        let mut held = self.shared.pages.len() as u64 * ps + self.shared.pages.run_bytes();
         let mut per_pool: FxHashMap<PoolId, u64> = FxHashMap::default();
         let mut allocated = 0i64;
         for (pool, bytes) in self.arena_bytes() {

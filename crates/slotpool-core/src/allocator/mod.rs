@@ -462,6 +462,12 @@ impl<D: Device> Allocator<D> {
                 )))));
             };
             let (first, end) = Shard::page_range(page_size, seg.addr, b.addr, b.size);
+            if pt.any_in_run(first, end) {
+                return Some(Err(AllocError::InvalidArgument(Box::new(format!(
+                    "{ptr:#x} lies in a physical run (a resumed pool's memory), which is not \
+                     shared page by page"
+                )))));
+            }
             let pages: Option<Vec<PageHandle>> =
                 pt.handle.get(first..end)?.iter().copied().collect();
             Some(Ok(SharedPages {
@@ -498,7 +504,7 @@ fn invalid_size(size: u64) -> AllocError {
 fn shard_error(e: ShardError) -> AllocError {
     match e {
         ShardError::OutOfMemory => AllocError::OutOfMemory(Box::default()),
-        ShardError::Device(d) => AllocError::Device(Box::new(*d)),
+        ShardError::Device(d) => AllocError::Device(d),
         ShardError::UnknownPointer => AllocError::InvalidState(Box::new("unknown pointer".into())),
         ShardError::NotVmm => AllocError::InvalidState(Box::new("not a vmm segment".into())),
         ShardError::PageNotMapped => AllocError::InvalidState(Box::new("page not mapped".into())),
@@ -507,5 +513,8 @@ fn shard_error(e: ShardError) -> AllocError {
             "a page slot must be unmapped during a capture".into(),
         )),
         ShardError::Paused => AllocError::InvalidState(Box::new("the pool is paused".into())),
+        ShardError::InRun => AllocError::InvalidState(Box::new(
+            "a page of a physical run is unmapped only whole".into(),
+        )),
     }
 }

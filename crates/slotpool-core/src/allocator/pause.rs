@@ -15,6 +15,16 @@
 //!   works; nothing of it is released, cached or restored; a checkpoint may be taken (it records
 //!   blocks only), a restore is refused.
 //! - Pausing and resuming are transactions: on error nothing changed.
+//! - A resume maps each stretch of paused slots as physical runs (`block/runs.rs`: one allocation
+//!   and one mapping per run instead of per page); the next pause unmaps and releases each run with
+//!   one call each, and a stretch of pages mapped one by one with one unmap where the backend can.
+//! - The backup's pinned buffer is allocated at the first backed-up pause and kept for the next
+//!   while the pool is in use (empty-cache calls keep it: pinning costs seconds per 10 GB); a
+//!   released pool frees it at the next empty-cache.
+//! - A released paused pool (no use left) stays paused while it holds live blocks; once it holds
+//!   none (and no live checkpoint), the next empty-cache ends its pause
+//!   (`Allocator::end_orphaned_pauses`): backup freed, paused bytes forgotten, reservations
+//!   released, pool forgotten.
 
 use crate::allocator::{Allocator, ShardRef, ShardTable, shards_of};
 use crate::block::{SegmentId, SegmentKind};
@@ -179,20 +189,63 @@ impl Shard {
         self.flush_quick(env);
         let mut kept = Vec::with_capacity(pages.len());
         let mut unreleased = 0;
-        for p in pages {
+        let mut i = 0;
+        while i < pages.len() {
+            let p = pages[i];
             let small = self.segments[p.seg].small;
-            // A page mapped at several slots (an alias, see `alias.rs`) leaves with its last
-            // slot; each slot is resumed with a page of its own.
-            match self.unmap_page(env, p.seg, p.page) {
-                Ok(left) => {
-                    if let Some(h) = left {
-                        give_back(env, h);
+            let run = match &self.segments[p.seg].kind {
+                SegmentKind::Vmm(pt) => pt.run_of(p.page),
+                SegmentKind::Classic => None,
+            };
+            // A run goes with one unmap and one release (its slots are all mapped, so all listed
+            // from its first on).
+            if let Some((first, r)) = run {
+                let n = (first + r.pages - p.page).min(pages.len() - i);
+                match self.release_run(env, p.seg, first) {
+                    Ok(bytes) => {
+                        self.stats.reserved_paused_bytes.inc(small, bytes as i64);
+                        kept.extend_from_slice(&pages[i..i + n]);
                     }
-                    self.stats.reserved_paused_bytes.inc(small, ps as i64);
-                    kept.push(p);
+                    Err(_) => unreleased += r.pages as u64 * ps,
                 }
-                Err(_) => unreleased += ps,
+                i += n;
+                continue;
             }
+            // Slots mapped page by page next to each other: one unmap where the backend can.
+            let n = 1 + pages[i + 1..]
+                .iter()
+                .zip(&pages[i..])
+                .take_while(|&(b, a)| b.seg == a.seg && b.page == a.page + 1)
+                .take_while(|&(b, _)| {
+                    matches!(&self.segments[b.seg].kind, SegmentKind::Vmm(pt) if !pt.in_run(b.page))
+                })
+                .count();
+            if let Some(left) = self.unmap_stretch(env, p.seg, p.page, n) {
+                for h in left {
+                    give_back(env, h);
+                }
+                self.stats
+                    .reserved_paused_bytes
+                    .inc(small, (n as u64 * ps) as i64);
+                kept.extend_from_slice(&pages[i..i + n]);
+                i += n;
+                continue;
+            }
+            for &q in &pages[i..i + n] {
+                // A page mapped at several slots (an alias, see `alias.rs`) leaves with its last
+                // slot; each slot is resumed with a page of its own.
+                match self.unmap_page(env, q.seg, q.page) {
+                    Ok(left) => {
+                        if let Some(h) = left {
+                            give_back(env, h);
+                        }
+                        self.stats.reserved_paused_bytes.inc(small, ps as i64);
+                        kept.push(q);
+                    }
+                    Err(_) => unreleased += ps,
+                }
+            }
+            i += n;
         }
         self.pause = Some(Box::new(ShardPause {
             quick_off: self.quick_off,
@@ -203,8 +256,8 @@ impl Shard {
         unreleased
     }
 
-    /// Map new pages under every paused page, retained ones retained again. On error nothing
-    /// stays mapped.
+    /// Map new memory under every paused page, each stretch of consecutive slots as physical
+    /// runs ([`Shard::map_runs`]), retained slots retained again. On error nothing stays mapped.
     fn resume_map(&mut self, env: &Env<'_>) -> Result<(), ShardError> {
         let ps = env.page_size();
         let Some(pause) = self.pause.take() else {
@@ -212,8 +265,7 @@ impl Shard {
         };
         let mut result = Ok(());
         for (seg, first, n, _) in runs_of(&pause.pages, ps) {
-            let addr = self.segments[seg].addr + first as u64 * ps;
-            if let Err(e) = self.map_range(env, seg, addr, n as u64 * ps, false) {
+            if let Err(e) = self.map_runs(env, seg, first, n) {
                 result = Err(e);
                 break;
             }
@@ -230,15 +282,20 @@ impl Shard {
         result
     }
 
-    /// Undo [`Shard::resume_map`]: unmap and give back every paused page mapped now.
+    /// Undo [`Shard::resume_map`]: unmap and give back every paused page mapped now (a run
+    /// whole).
     fn resume_undo(&mut self, env: &Env<'_>) {
         let Some(pause) = self.pause.take() else {
             return;
         };
         for p in &pause.pages {
-            let mapped =
-                matches!(&self.segments[p.seg].kind, SegmentKind::Vmm(pt) if pt.is_mapped(p.page));
-            if mapped && let Ok(Some(h)) = self.unmap_page(env, p.seg, p.page) {
+            let (mapped, run) = match &self.segments[p.seg].kind {
+                SegmentKind::Vmm(pt) => (pt.is_mapped(p.page), pt.run_of(p.page)),
+                SegmentKind::Classic => (false, None),
+            };
+            if let Some((first, _)) = run {
+                let _ = self.release_run(env, p.seg, first);
+            } else if mapped && let Ok(Some(h)) = self.unmap_page(env, p.seg, p.page) {
                 give_back(env, h);
             }
         }
@@ -275,6 +332,29 @@ impl Shard {
         debug_assert!(self.host_spare.is_none(), "the backup took the spare");
         if pause.host.is_some() {
             self.host_spare = pause.host;
+        }
+    }
+
+    /// Forget the pause of a shard that holds no live block (its pool is released): the
+    /// paused pages stop counting as reserved, the backup is freed (kept as the spare buffer,
+    /// freed by the next empty-cache, if the backend refuses).
+    fn abandon_pause(&mut self, env: &Env<'_>) {
+        let ps = env.page_size() as i64;
+        let Some(pause) = self.pause.take() else {
+            return;
+        };
+        for p in &pause.pages {
+            let small = self.segments[p.seg].small;
+            self.stats.reserved_paused_bytes.dec(small, ps);
+        }
+        self.quick_off = pause.quick_off;
+        if let Some((buf, n)) = pause.host
+            && env.dev.free_host(buf).is_err()
+        {
+            tracing::warn!("a released paused pool's backup could not be freed");
+            if let Some((old, _)) = self.host_spare.replace((buf, n)) {
+                let _ = env.dev.free_host(old);
+            }
         }
     }
 
@@ -532,6 +612,34 @@ impl<D: Device> Allocator<D> {
         }
         entry.paused = None;
         Ok(mapped)
+    }
+
+    /// End the pauses that nothing can resume usefully: a paused pool whose last use was
+    /// released ([`Allocator::release_pool`]), that holds no live block and that no live
+    /// checkpoint needs. Its backup is freed and its paused bytes forgotten, so that the cache
+    /// release that follows gives its reservations back and the pool is forgotten like any
+    /// empty released pool. A released paused pool with live blocks stays paused, its backup
+    /// kept, until it is resumed or its blocks are freed.
+    pub(crate) fn end_orphaned_pauses(&self, _reclaim: &std::sync::MutexGuard<'_, ()>) {
+        let mut pools = lock(&self.pools);
+        let shards = lock(&self.shards);
+        for (&id, entry) in pools.iter_mut() {
+            if entry.paused.is_none()
+                || entry.use_count > 0
+                || entry.checkpoints.iter().any(|c| c.strong_count() > 0)
+            {
+                continue;
+            }
+            let cells = by_stream(&shards, id);
+            let mut guards: Vec<_> = cells.iter().map(|c| lock(&c.shard)).collect();
+            if guards.iter().any(|s| s.live_blocks() > 0) {
+                continue;
+            }
+            for (cell, s) in cells.iter().zip(guards.iter_mut()) {
+                s.abandon_pause(&self.env(&cell.pool_budget));
+            }
+            entry.paused = None;
+        }
     }
 
     /// Whether `pool` is paused, how many bytes it gave back and how many the host holds.

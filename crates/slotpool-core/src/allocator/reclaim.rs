@@ -139,6 +139,7 @@ impl<D: Device> Allocator<D> {
     pub fn empty_cache(&self) {
         let reclaim = lock(&self.reclaim);
         let synced = !self.capture_underway() && self.counted.synchronize().is_ok();
+        self.end_orphaned_pauses(&reclaim);
         self.release_all_cached(synced, false);
         self.release_page_pool();
         self.forget_freeable_pools(&reclaim);
@@ -151,6 +152,7 @@ impl<D: Device> Allocator<D> {
         }
         let reclaim = lock(&self.reclaim);
         let synced = !self.capture_underway() && self.counted.synchronize().is_ok();
+        self.end_orphaned_pauses(&reclaim);
         for cell in self.pool_shards(pool) {
             self.release_on(pool, &cell, synced, false);
         }
@@ -177,6 +179,13 @@ impl<D: Device> Allocator<D> {
             } else {
                 self.shared.pages.put(page);
                 break;
+            }
+        }
+        for (run, bytes) in self.shared.pages.drain_runs() {
+            if self.counted.release_page(run).is_ok() {
+                self.shared.budget.release(bytes);
+            } else {
+                self.shared.pages.put_run(run, bytes);
             }
         }
     }

@@ -1,6 +1,7 @@
 //! Blocks and segments: the pieces a shard's memory is cut into.
 
 pub mod alias;
+pub mod runs;
 
 use crate::device::{DevicePtr, PageHandle, StreamId};
 
@@ -198,6 +199,8 @@ pub struct PageTable {
     /// Which slots each physical page is mapped at ([`crate::alias`]; boxed: a segment's kind
     /// stays small).
     pub alias: Box<alias::Aliases>,
+    /// Which slots one physical allocation backs together ([`runs`]).
+    pub runs: Box<runs::Runs>,
 }
 
 /// The bits of word `w` of a page bitmap that fall in pages [first, end).

@@ -202,6 +202,8 @@ impl Shard {
                 }
                 pt.check_aliases()
                     .map_err(|e| format!("{e} (segment {sid})"))?;
+                pt.check_runs((seg.size / page_size) as usize)
+                    .map_err(|e| format!("{e} (segment {sid})"))?;
                 self.check_no_shared_bytes(sid, page_size)?;
                 recount
                     .reserved_bytes

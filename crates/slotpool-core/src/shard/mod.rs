@@ -8,6 +8,7 @@ mod free;
 mod pages;
 mod quick;
 mod release;
+mod runs;
 #[cfg(test)]
 mod tests;
 
@@ -50,6 +51,9 @@ pub enum ShardError {
     StaleDuringCapture,
     /// The shard's pool is paused: nothing is handed out until it is resumed.
     Paused,
+    /// A page operation named one slot of a physical run, which is unmapped only whole
+    /// ([`crate::block::runs`]).
+    InRun,
 }
 
 impl From<DeviceError> for ShardError {
@@ -99,6 +103,9 @@ pub struct Released {
 ///     physical page; a physical page backs at most one occupied slot (live blocks over it, or
 ///     graph-retained); no two non-free blocks reach the same byte of a physical page through
 ///     any of its slots; `reserved_bytes` counts each physical page once.
+/// 12. Physical runs ([`crate::block::runs`]): runs lie inside their reservation and do not
+///     overlap; each slot of a run is mapped to its own tag, never an alias; no other slot holds
+///     a tag.
 ///
 /// The fields are the shard's own (its children in `shard/` read them), except the seven that
 /// the pause code reads too: it lives with the allocator's pause calls in

@@ -315,7 +315,7 @@ impl Shard {
                 break;
             }
             let Some(h) = pt.handle[q] else { continue };
-            if !seen.insert(h) || taken.contains_key(&h) || !pt.page_idle(h) {
+            if pt.in_run(q) || !seen.insert(h) || taken.contains_key(&h) || !pt.page_idle(h) {
                 continue;
             }
             let lowest = pt
@@ -409,7 +409,7 @@ impl Shard {
                 continue;
             }
             let found = pt.idle_pages_rev().find_map(|p| {
-                let h = pt.handle[p]?;
+                let h = pt.handle[p].filter(|_| !pt.in_run(p))?;
                 pt.slots_of(h)
                     .iter()
                     .map(|&s| s as usize)
@@ -490,6 +490,9 @@ impl Shard {
         };
         if !pt.is_mapped(p) {
             return Err(ShardError::PageNotMapped);
+        }
+        if pt.in_run(p) {
+            return Err(ShardError::InRun);
         }
         env.dev.unmap(addr)?;
         env.trace

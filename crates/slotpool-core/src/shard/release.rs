@@ -74,14 +74,20 @@ impl Shard {
         keep_retained: bool,
     ) -> Released {
         let mut out = Released::default();
-        // A paused shard holds no mapped page, and its segments stay for the resume.
-        if env.capture_underway || self.pause.is_some() {
+        if env.capture_underway {
             return out;
         }
-        if let Some((buf, _)) = self.host_spare.take()
+        // The pinned buffer of the last backup stays while the pool is in use: pinning it again
+        // costs seconds per 10 GB, far more than any cycle.
+        if !keep_retained
+            && let Some((buf, _)) = self.host_spare.take()
             && env.dev.free_host(buf).is_err()
         {
             tracing::warn!("a paused pool's spare host buffer could not be freed");
+        }
+        // A paused shard holds no mapped page, and its segments stay for the resume.
+        if self.pause.is_some() {
+            return out;
         }
         self.flush_quick(env);
         self.prune_marks();
@@ -107,9 +113,11 @@ impl Shard {
                         .filter(|&p| {
                             pt.idle_epoch[p] < self.safe_epoch
                                 && !(keep_retained && pt.is_retained(p))
+                                && !pt.in_run(p)
                         })
                         .collect()
                 };
+                out.bytes += self.release_idle_runs(env, seg, keep_retained);
                 for p in idle {
                     // A slot whose page is mapped at another slot too frees no memory.
                     let Ok(Some(h)) = self.unmap_page(env, seg, p) else {

@@ -100,12 +100,17 @@ fn every_call_is_counted() {
     let _ = d.copy_to_host(h, 0, 1, 16);
     let _ = d.copy_from_host(1, h, 0, 16);
     d.free_host(h).unwrap();
+    let run = d.create_run(2).unwrap();
+    let _ = d.map_whole(1, run, 2);
+    let _ = d.unmap_range(1, 16);
     let counted: Vec<u64> = CallKind::ALL.iter().map(|&k| d.calls(k)).collect();
     assert_eq!(
         counted,
-        [0, 1, 0, 1, 0, 1, 0, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1]
+        [
+            0, 1, 0, 1, 0, 1, 0, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1
+        ]
     );
-    assert_eq!(d.contract_violations(), 6);
+    assert_eq!(d.contract_violations(), 8);
     assert_eq!(CallKind::SynchronizeEvent.name(), "synchronize_event");
 }
 

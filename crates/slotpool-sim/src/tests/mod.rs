@@ -5,6 +5,7 @@ mod capture;
 mod faults;
 mod host;
 mod memory;
+mod runs;
 mod streams;
 mod work;
 
