@@ -195,7 +195,7 @@ fn a_paused_pool_refuses_allocations_and_takes_frees() {
         for size in [4 * KIB, 4 * MIB] {
             assert_eq!(
                 alloc.alloc_in(pool, size, stream),
-                Err(AllocError::PoolPaused(pool))
+                Err(AllocError::PoolPaused(Box::new(pool)))
             );
         }
     }
@@ -204,7 +204,10 @@ fn a_paused_pool_refuses_allocations_and_takes_frees() {
     alloc
         .begin_allocate_to_pool(pool, RouteFilter::Thread(current_thread_id()))
         .unwrap();
-    assert_eq!(alloc.alloc(64 * KIB, 0), Err(AllocError::PoolPaused(pool)));
+    assert_eq!(
+        alloc.alloc(64 * KIB, 0),
+        Err(AllocError::PoolPaused(Box::new(pool)))
+    );
     alloc.end_allocate_to_pool(pool).unwrap();
     alloc.release_pool(pool).unwrap();
     // A free works; reserved_paused stays (the page is mapped again on resume).
@@ -218,11 +221,11 @@ fn a_paused_pool_refuses_allocations_and_takes_frees() {
     );
     assert_eq!(
         alloc.mark_reusable(live[0].0),
-        Err(AllocError::PoolPaused(pool))
+        Err(AllocError::PoolPaused(Box::new(pool)))
     );
     assert_eq!(
         alloc.arena_create(pool, 0),
-        Err(AllocError::PoolPaused(pool))
+        Err(AllocError::PoolPaused(Box::new(pool)))
     );
     // empty_cache leaves the paused pool alone.
     let physical = dev.physical_bytes();
@@ -352,7 +355,7 @@ fn checkpoints_survive_a_pause_and_restores_wait_for_the_resume() {
     let dump = alloc.state_dump();
     assert_eq!(
         alloc.restore(pool, &cp, &[]).unwrap_err(),
-        AllocError::PoolPaused(pool)
+        AllocError::PoolPaused(Box::new(pool))
     );
     assert_eq!(alloc.state_dump(), dump);
     // A checkpoint records blocks only: it may be taken while paused.
@@ -534,7 +537,7 @@ mod model {
                             false
                         }
                         Err(AllocError::PoolPaused(id)) => {
-                            prop_assert!(target < 2 && paused[target] && id == pools[target]);
+                            prop_assert!(target < 2 && paused[target] && *id == pools[target]);
                             true
                         }
                         Err(e) => return Err(TestCaseError::fail(format!("alloc: {e}"))),

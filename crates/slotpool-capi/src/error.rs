@@ -100,13 +100,13 @@ impl From<AllocError> for Error {
                 Error::InvalidArgument(format!("size {size}: must be between 1 and 2^56 bytes"))
             }
             AllocError::UnknownPointer(p) => Error::UnknownPointer(p),
-            AllocError::UnknownPool(id) => Error::UnknownPool(id),
-            AllocError::InvalidArgument(m) => Error::InvalidArgument(m),
-            AllocError::InvalidState(m) => Error::InvalidState(m),
+            AllocError::UnknownPool(id) => Error::UnknownPool(*id),
+            AllocError::InvalidArgument(m) => Error::InvalidArgument(*m),
+            AllocError::InvalidState(m) => Error::InvalidState(*m),
             // A refused restore: the pool is not in a state the checkpoint can be applied to.
             e @ AllocError::CheckpointMismatch(_) => Error::InvalidState(e.to_string()),
-            AllocError::PoolPaused(id) => Error::PoolPaused(id),
-            AllocError::Device(d) => d.into(),
+            AllocError::PoolPaused(id) => Error::PoolPaused(*id),
+            AllocError::Device(d) => (*d).into(),
         }
     }
 }
@@ -270,7 +270,7 @@ mod tests {
             sp_status::SP_ERR_INVALID_ARGUMENT
         );
         assert_eq!(
-            Error::from(AllocError::Device(DeviceError::Unavailable("x".into()))).status(),
+            Error::from(AllocError::from(DeviceError::Unavailable("x".into()))).status(),
             sp_status::SP_ERR_BACKEND_UNAVAILABLE
         );
         assert_eq!(

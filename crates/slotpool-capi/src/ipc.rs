@@ -65,11 +65,11 @@ pub unsafe extern "C" fn sp_ipc_export(
             if pages.pages.len() > capacity {
                 return Ok((pages, None));
             }
-            let dev = cuda(d).map_err(AllocError::Device)?;
+            let dev = cuda(d).map_err(AllocError::from)?;
             let fds = pages
                 .pages
                 .iter()
-                .map(|&page| dev.export_page(page).map_err(AllocError::Device))
+                .map(|&page| dev.export_page(page).map_err(AllocError::from))
                 .collect::<Result<Vec<c_int>, AllocError>>()?;
             Ok((pages, Some(fds)))
         })?;

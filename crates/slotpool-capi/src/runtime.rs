@@ -341,17 +341,6 @@ impl Runtime {
         self.on_owner_slow(ptr, hint, f)
     }
 
-    /// [`Allocator::free`]'s fast path on the likely owner of `ptr` (see [`Runtime::on_owner`]):
-    /// `false`, with nothing changed, where it does not apply.
-    #[inline]
-    pub fn free_fast(&self, ptr: DevicePtr) -> bool {
-        let hint = if self.slots.len() == 1 { 0 } else { hint() };
-        self.slots
-            .get(hint)
-            .and_then(OnceLock::get)
-            .is_some_and(|d| each!(d, a => a.free_fast(ptr)))
-    }
-
     #[cold]
     fn on_owner_slow<T>(
         &self,

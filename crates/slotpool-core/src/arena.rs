@@ -294,9 +294,9 @@ impl Arena {
             None => (self.end, false),
         };
         if moved && self.live.largest(slot).is_some() {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "slot {slot} must grow but is live and cannot move"
-            )));
+            ))));
         }
         let keep = self.slots.get(&slot).map_or(0, |s| s.size);
         let size = size.max(keep);
@@ -363,9 +363,9 @@ impl Arena {
     ) -> AllocResult<DevicePtr> {
         let rounded = Self::slot_size(size)?;
         if self.live.contains(branch, slot) {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "slot {slot} of branch {branch} is already live"
-            )));
+            ))));
         }
         let plan = self.plan(slot, rounded)?;
         if self.debug
@@ -384,7 +384,7 @@ impl Arena {
                 ov.addr
             );
             self.overlaps.push(ov);
-            return Err(AllocError::InvalidState(msg));
+            return Err(AllocError::InvalidState(Box::new(msg)));
         }
         self.grow(env, plan.end)?;
         let was = self.slot_held(slot);
@@ -398,9 +398,9 @@ impl Arena {
     pub(crate) fn free(&mut self, env: &Env, branch: u32, slot: u32) -> AllocResult<()> {
         let was = self.slot_held(slot);
         if self.live.remove(branch, slot).is_none() {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "slot {slot} of branch {branch} is not live"
-            )));
+            ))));
         }
         self.account(env, was, slot);
         Ok(())
@@ -505,7 +505,7 @@ impl Arena {
         match failed {
             None => Ok(()),
             Some(DeviceError::OutOfMemory) => Err(AllocError::OutOfMemory(Box::default())),
-            Some(e) => Err(AllocError::Device(e)),
+            Some(e) => Err(AllocError::Device(Box::new(e))),
         }
     }
 

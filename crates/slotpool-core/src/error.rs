@@ -97,7 +97,13 @@ mod tests {
 }
 
 /// Every way a core call can fail. A failed call changes no state.
+///
+/// Two words, as [`crate::shard::ShardError`] is: every payload larger than a word (a report, a
+/// diff, a message, a pool id, a device error) is boxed, so that an `AllocResult<DevicePtr>`
+/// travels in registers (a larger `Result` goes through the stack at every layer). The messages
+/// are `Box<String>`, a thin pointer, because a `Box<str>` is two words itself.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[allow(clippy::box_collection)] // the boxed `String`s above: the error stays two words
 pub enum AllocError {
     #[error("out of memory: {0}")]
     OutOfMemory(Box<OomReport>),
@@ -106,22 +112,25 @@ pub enum AllocError {
     #[error("pointer {0:#x} was not allocated by slotpool or was already freed")]
     UnknownPointer(DevicePtr),
     #[error("unknown pool {0}")]
-    UnknownPool(PoolId),
+    UnknownPool(Box<PoolId>),
     #[error("invalid argument: {0}")]
-    InvalidArgument(String),
+    InvalidArgument(Box<String>),
     #[error("invalid state: {0}")]
-    InvalidState(String),
+    InvalidState(Box<String>),
     #[error("restore refused, nothing changed: {0}")]
     CheckpointMismatch(Box<RestoreDiff>),
     #[error("pool {0} is paused: resume it before allocating from it")]
-    PoolPaused(PoolId),
+    PoolPaused(Box<PoolId>),
     #[error("device error: {0}")]
-    Device(DeviceError),
+    Device(Box<DeviceError>),
 }
+
+const _: () = assert!(size_of::<AllocError>() == 16);
+const _: () = assert!(size_of::<AllocResult<DevicePtr>>() == 16);
 
 impl From<DeviceError> for AllocError {
     fn from(e: DeviceError) -> Self {
-        AllocError::Device(e)
+        AllocError::Device(Box::new(e))
     }
 }
 

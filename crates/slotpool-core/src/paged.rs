@@ -162,7 +162,7 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
     }
 
     /// [`Paged::at`], for a change (logged first as in [`Paged::get_mut`]).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn at_mut(&mut self, i: usize) -> &mut T {
         let p = i / P;
         if self.log.due(self.stamp[p]) {

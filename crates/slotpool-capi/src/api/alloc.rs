@@ -24,19 +24,19 @@ pub unsafe extern "C" fn sp_alloc(
     stream: u64,
     out: *mut *mut c_void,
 ) -> sp_status {
+    // `ffi`: no panic crosses the boundary, and the status and last error are set once.
     ffi(|| {
+        // A NULL `out` is an error, and `*out` is NULL after any failure.
         let out = required(out, "out")?;
         // SAFETY: non-null and valid for writes by the caller's contract.
         unsafe { put(out, ptr::null_mut()) };
+        // The device's allocator: a bounds-checked slot of the runtime (one device: slot 0).
         let d = runtime()?.device(device)?;
-        // The quick cache's hit first: its answer travels in registers.
-        if let Some(p) = each!(d, a => a.alloc_fast(size_arg(size), stream)) {
-            // SAFETY: as above.
-            unsafe { put(out, p as *mut c_void) };
-            return Ok(());
-        }
+        // `size_t` widened to the core's `u64`, as it is; `Allocator::alloc` checks and rounds
+        // it once, serves a quick-cache hit inline and answers in registers (a two-word
+        // `AllocResult`); `?` turns a core error into this call's status, out of line.
         let p = each!(d, a => a.alloc(size_arg(size), stream))?;
-        // SAFETY: as above.
+        // SAFETY: non-null and valid for writes by the caller's contract.
         unsafe { put(out, p as *mut c_void) };
         Ok(())
     })
@@ -55,10 +55,9 @@ pub extern "C" fn sp_free(ptr: *mut c_void) -> sp_status {
             return Err(Error::null("ptr"));
         }
         let p = ptr as u64;
-        let rt = runtime()?;
-        if !rt.free_fast(p) {
-            rt.on_owner(p, |d| each!(d, a => a.free_registered(p)))?;
-        }
+        // The likely owner's `Allocator::free` first (one device: its only one), which asks the
+        // thread's cached shard inline, then the registry; an unknown pointer asks the others.
+        runtime()?.on_owner(p, |d| each!(d, a => a.free(p)))?;
         Ok(())
     })
 }

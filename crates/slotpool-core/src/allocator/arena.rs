@@ -25,7 +25,7 @@ impl<D: Device> Allocator<D> {
             .get(&pool)
             .is_some_and(|e| e.paused.is_some())
         {
-            return Err(AllocError::PoolPaused(pool));
+            return Err(AllocError::PoolPaused(Box::new(pool)));
         }
         let capacity = self.shared.vmm_reservation;
         let base = self.dev.reserve(capacity)?;
@@ -49,7 +49,7 @@ impl<D: Device> Allocator<D> {
         lock(&self.pools)
             .get(&pool)
             .map(|e| e.budget.clone())
-            .ok_or(AllocError::UnknownPool(pool))
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))
     }
 
     /// Give back the use an arena took of its pool, if that pool is still the one it took.
@@ -130,16 +130,16 @@ impl<D: Device> Allocator<D> {
             .get_mut(&arena.0)
             .ok_or_else(|| unknown_arena(arena))?;
         if a.live_count() > 0 {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "arena {} has {} live allocations",
                 arena.0,
                 a.live_count()
-            )));
+            ))));
         }
         if self.capture_underway() {
-            return Err(AllocError::InvalidState(
+            return Err(AllocError::InvalidState(Box::new(
                 "cannot unmap during a capture".into(),
-            ));
+            )));
         }
         let budget = a.pool_budget().clone();
         a.unmap_all(&self.env(&budget))?;
@@ -257,5 +257,5 @@ impl<D: Device> Allocator<D> {
 }
 
 fn unknown_arena(arena: ArenaId) -> AllocError {
-    AllocError::InvalidArgument(format!("unknown arena {}", arena.0))
+    AllocError::InvalidArgument(Box::new(format!("unknown arena {}", arena.0)))
 }

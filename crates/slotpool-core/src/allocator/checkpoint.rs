@@ -53,7 +53,7 @@ impl<D: Device> Allocator<D> {
     /// (pool, stream) shard. Refused while frees of the pool wait on cross-stream events.
     pub fn checkpoint(&self, pool: PoolId) -> AllocResult<Checkpoint> {
         if !lock(&self.pools).contains_key(&pool) {
-            return Err(AllocError::UnknownPool(pool));
+            return Err(AllocError::UnknownPool(Box::new(pool)));
         }
         let _reclaim = lock(&self.reclaim);
         let token = Arc::new(CheckpointToken {
@@ -68,11 +68,11 @@ impl<D: Device> Allocator<D> {
         for c in &cells {
             let s = lock(&c.shard);
             if s.waits_on_events() {
-                return Err(AllocError::InvalidState(format!(
+                return Err(AllocError::InvalidState(Box::new(format!(
                     "pool {pool}: frees on stream {} wait on cross-stream events; call \
                      synchronize or process_events first",
                     s.stream()
-                )));
+                ))));
             }
         }
         let mut marks = Vec::with_capacity(cells.len());
@@ -81,7 +81,8 @@ impl<D: Device> Allocator<D> {
             let mut s = lock(&c.shard);
             // The checkpoint holds no cached blocks (shard invariant 9).
             s.flush_quick(&self.env(&c.pool_budget));
-            s.add_mark(&token).map_err(AllocError::InvalidState)?;
+            s.add_mark(&token)
+                .map_err(|e| AllocError::InvalidState(Box::new(e)))?;
             live += s.stats.allocation.all().current as usize;
             let holder: Weak<dyn MarkHolder> = Arc::downgrade(c) as Weak<ShardCell>;
             marks.push((s.stream(), holder));
@@ -125,18 +126,18 @@ impl<D: Device> Allocator<D> {
         keep_live: &[DevicePtr],
     ) -> AllocResult<RestoreDelta> {
         if checkpoint.allocator != self.uid {
-            return Err(AllocError::InvalidArgument(
+            return Err(AllocError::InvalidArgument(Box::new(
                 "checkpoint belongs to another allocator".into(),
-            ));
-        }
-        if checkpoint.pool != pool {
-            return Err(AllocError::InvalidArgument(format!(
-                "checkpoint of pool {} cannot restore pool {pool}",
-                checkpoint.pool
             )));
         }
+        if checkpoint.pool != pool {
+            return Err(AllocError::InvalidArgument(Box::new(format!(
+                "checkpoint of pool {} cannot restore pool {pool}",
+                checkpoint.pool
+            ))));
+        }
         if !lock(&self.pools).contains_key(&pool) {
-            return Err(AllocError::UnknownPool(pool));
+            return Err(AllocError::UnknownPool(Box::new(pool)));
         }
         let _reclaim = lock(&self.reclaim);
         // Under `reclaim`, which pause and resume hold too.
@@ -144,7 +145,7 @@ impl<D: Device> Allocator<D> {
             .get(&pool)
             .is_some_and(|e| e.paused.is_some())
         {
-            return Err(AllocError::PoolPaused(pool));
+            return Err(AllocError::PoolPaused(Box::new(pool)));
         }
         let mut diff = RestoreDiff::default();
         for (stream, weak) in &checkpoint.marks {
@@ -242,9 +243,9 @@ impl<D: Device> Allocator<D> {
     /// Start a variant group on `pool` (created if new): checkpoints it now.
     pub fn variant_group(&self, pool: PoolId, count: usize) -> AllocResult<VariantGroup> {
         if count == 0 {
-            return Err(AllocError::InvalidArgument(
+            return Err(AllocError::InvalidArgument(Box::new(
                 "a variant group needs variants".into(),
-            ));
+            )));
         }
         if !lock(&self.pools).contains_key(&pool) {
             self.create_or_incref_pool(pool, Default::default())?;
@@ -262,15 +263,15 @@ impl<D: Device> Allocator<D> {
     /// every other variant used. The delta lists what earlier variants still held (now free).
     pub fn begin_variant(&self, group: &mut VariantGroup, k: usize) -> AllocResult<RestoreDelta> {
         if k >= group.count {
-            return Err(AllocError::InvalidArgument(format!(
+            return Err(AllocError::InvalidArgument(Box::new(format!(
                 "variant {k} of a group of {}",
                 group.count
-            )));
+            ))));
         }
         if let Some(a) = group.active {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "variant {a} has not ended"
-            )));
+            ))));
         }
         let delta = self.restore(group.pool, &group.base, &[])?;
         group.active = Some(k);
@@ -280,11 +281,9 @@ impl<D: Device> Allocator<D> {
     /// End the variant being captured; its allocations stay as they are until the next variant
     /// begins.
     pub fn end_variant(&self, group: &mut VariantGroup) -> AllocResult<()> {
-        group
-            .active
-            .take()
-            .map(|_| ())
-            .ok_or_else(|| AllocError::InvalidState("no variant of this group is active".into()))
+        group.active.take().map(|_| ()).ok_or_else(|| {
+            AllocError::InvalidState(Box::new("no variant of this group is active".into()))
+        })
     }
 }
 

@@ -184,9 +184,9 @@ impl<D: Device> Allocator<D> {
     /// Cap physical memory at `fraction` of the device (`set_per_process_memory_fraction`).
     pub fn set_memory_fraction(&self, fraction: f64) -> AllocResult<()> {
         if !(fraction > 0.0 && fraction <= 1.0) {
-            return Err(AllocError::InvalidArgument(format!(
+            return Err(AllocError::InvalidArgument(Box::new(format!(
                 "memory fraction {fraction} is not in (0, 1]"
-            )));
+            ))));
         }
         self.shared
             .budget
@@ -231,43 +231,73 @@ impl<D: Device> Allocator<D> {
 
     /// Allocate `size` bytes for use on `stream`. The pool is chosen by the active routes (the
     /// default pool when none match).
+    ///
+    /// The hot path, inlined into the caller (the C ABI's `sp_alloc`): a hit in the quick cache
+    /// of the calling thread's cached shard, answered in registers; everything else goes to
+    /// [`Allocator::alloc_slow`] with the size checked and rounded, neither done again.
+    #[inline]
     pub fn alloc(&self, size: u64, stream: StreamId) -> AllocResult<DevicePtr> {
-        if size == 0 || size > MAX_REQUEST {
-            return Err(AllocError::InvalidSize(size));
+        // The one size check and the one rounding: the quick cache is keyed by the rounded
+        // size, and the slow path takes it as it is.
+        let rounded = self.round_request(size)?;
+        // The quick cache holds small blocks of the default pool: a route may pick another pool
+        // (one load, zero while no route is active), a large request would lock the shard to
+        // find nothing, and a request over the limit is refused as `alloc_rounded` refuses it,
+        // even where the cache holds a block.
+        if self.routes_active.load(Ordering::Acquire) == 0
+            && crate::policy::is_small(rounded)
+            && rounded <= self.shared.budget.limit()
+        {
+            // The thread's cached shard, if it is still the table's shard of (default pool,
+            // `stream`): no lookup, no reference count. `alloc_quick` hands out the cached
+            // block of exactly `rounded` bytes, or declines with nothing changed.
+            let hit = with_cached_shard_of!(self, PoolId::DEFAULT, stream, |cell| {
+                let env = self.env(&cell.pool_budget);
+                lock(&cell.shard).alloc_quick(&env, rounded, size)
+            });
+            if let Some((_, addr)) = hit {
+                return Ok(addr);
+            }
         }
-        let pool = self.route_for(stream)?;
-        self.alloc_in(pool, size, stream)
+        self.alloc_slow(size, rounded, stream)
     }
 
-    /// [`Allocator::alloc`] where it is a hit in the quick cache of the calling thread's cached
-    /// shard, in the default pool with no route active; `None`, with nothing changed, where it
-    /// would take any other path (call [`Allocator::alloc`] then). For the C ABI's hot path: the
-    /// answer travels in registers, where an `AllocResult` goes through memory at every layer.
-    #[inline]
-    pub fn alloc_fast(&self, size: u64, stream: StreamId) -> Option<DevicePtr> {
-        if size == 0 || size > MAX_REQUEST || self.routes_active.load(Ordering::Acquire) != 0 {
-            return None;
-        }
-        let rounded = self.config.policy.round_size(size);
-        // The quick cache holds small blocks only. As `alloc_in`, a request over the limit is
-        // refused even where the cache could serve it.
-        if !crate::policy::is_small(rounded) || rounded > self.shared.budget.limit() {
-            return None;
-        }
-        with_cached_shard_of!(self, PoolId::DEFAULT, stream, |cell| {
-            let env = self.env(&cell.pool_budget);
-            lock(&cell.shard)
-                .alloc_quick(&env, rounded, size)
-                .map(|(_, addr)| addr)
-        })
+    /// [`Allocator::alloc`] past the quick cache: the routes choose the pool. `size` is valid
+    /// and `rounded` its rounding.
+    #[cold]
+    #[inline(never)]
+    fn alloc_slow(&self, size: u64, rounded: u64, stream: StreamId) -> AllocResult<DevicePtr> {
+        let pool = self.route_for(stream)?;
+        self.alloc_rounded(pool, size, rounded, stream)
     }
 
     /// Allocate from a given pool, bypassing routes.
     pub fn alloc_in(&self, pool: PoolId, size: u64, stream: StreamId) -> AllocResult<DevicePtr> {
-        if size == 0 || size > MAX_REQUEST {
-            return Err(AllocError::InvalidSize(size));
+        let rounded = self.round_request(size)?;
+        self.alloc_rounded(pool, size, rounded, stream)
+    }
+
+    /// `size` rounded to its block size (PyTorch's size classes), if it is a valid request.
+    #[inline(always)]
+    fn round_request(&self, size: u64) -> AllocResult<u64> {
+        // 0 wraps to u64::MAX: one comparison refuses 0 and sizes over `MAX_REQUEST` (a
+        // request's block and its page counts must fit in their fields).
+        if size.wrapping_sub(1) >= MAX_REQUEST {
+            return Err(invalid_size(size));
         }
-        let rounded = self.config.policy.round_size(size);
+        Ok(self.config.policy.round_size(size))
+    }
+
+    /// Allocate `rounded` bytes (`size` asked, valid) from `pool`: the thread's cached shard
+    /// (tried whole, the quick cache again included) or the table's, then the out-of-memory
+    /// ladder.
+    fn alloc_rounded(
+        &self,
+        pool: PoolId,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+    ) -> AllocResult<DevicePtr> {
         if rounded > self.shared.budget.limit()
             || (rounded > LARGE_REQUEST && rounded > self.dev.total_memory())
         {
@@ -305,7 +335,7 @@ impl<D: Device> Allocator<D> {
                 Err(ShardError::OutOfMemory) => {
                     return self.alloc_after_oom(pool, stream, rounded, size);
                 }
-                Err(ShardError::Paused) => return Err(AllocError::PoolPaused(pool)),
+                Err(ShardError::Paused) => return Err(AllocError::PoolPaused(Box::new(pool))),
                 Err(e) => return Err(shard_error(e)),
             }
         }
@@ -323,33 +353,33 @@ impl<D: Device> Allocator<D> {
 
     /// Free a pointer returned by [`Allocator::alloc`]. Unknown pointers and double frees are
     /// rejected and change nothing.
+    ///
+    /// The hot path, inlined into the caller (the C ABI's `sp_free`): the calling thread's
+    /// cached shard; every other pointer, and every error, goes to [`Allocator::free_slow`].
+    #[inline]
     pub fn free(&self, ptr: DevicePtr) -> AllocResult<()> {
-        // The thread's cached shard first, asked once: its free looks the pointer up itself.
-        if self.free_fast(ptr) {
+        // The thread's cached shard, asked once: its free looks the pointer up itself (one hash
+        // probe in its live map), and changes nothing when it fails, so that the registry can
+        // ask the owner, which also reports the error. The cached shard may have been forgotten
+        // since: it then owns no pointer, and the free fails.
+        let freed = with_cached_shard!(self, |cell| {
+            let env = self.env(&cell.pool_budget);
+            Some(lock(&cell.shard).free(&env, ptr).is_ok())
+        });
+        if freed == Some(true) {
             return Ok(());
         }
-        self.free_registered(ptr)
+        self.free_slow(ptr)
     }
 
-    /// [`Allocator::free`] past the calling thread's cached shard (which
-    /// [`Allocator::free_fast`] asked): the segment registry finds the owner.
-    pub fn free_registered(&self, ptr: DevicePtr) -> AllocResult<()> {
+    /// [`Allocator::free`] past the calling thread's cached shard: the segment registry finds
+    /// the owner.
+    #[cold]
+    #[inline(never)]
+    fn free_slow(&self, ptr: DevicePtr) -> AllocResult<()> {
         self.with_registered_owner(ptr, |cell, s| s.free(&self.env(&cell.pool_budget), ptr))
             .ok_or(AllocError::UnknownPointer(ptr))?
             .map_err(shard_error)
-    }
-
-    /// [`Allocator::free`] where the calling thread's cached shard holds `ptr`: `false`, with
-    /// nothing changed, otherwise (call [`Allocator::free_registered`] then, which also reports
-    /// errors).
-    #[inline(always)]
-    pub fn free_fast(&self, ptr: DevicePtr) -> bool {
-        with_cached_shard!(self, |cell| {
-            let env = self.env(&cell.pool_budget);
-            // A shard's free changes nothing when it fails.
-            Some(lock(&cell.shard).free(&env, ptr).is_ok())
-        })
-        .unwrap_or(false)
     }
 
     /// Mark the allocation at `ptr` **graph-retained but reusable**: a captured graph still
@@ -377,7 +407,7 @@ impl<D: Device> Allocator<D> {
         });
         match r.ok_or(AllocError::UnknownPointer(ptr))? {
             Ok(size) => Ok(size),
-            Err((ShardError::Paused, pool)) => Err(AllocError::PoolPaused(pool)),
+            Err((ShardError::Paused, pool)) => Err(AllocError::PoolPaused(Box::new(pool))),
             Err((e, _)) => Err(shard_error(e)),
         }
     }
@@ -427,16 +457,16 @@ impl<D: Device> Allocator<D> {
             let b = s.block(s.lookup(ptr)?)?;
             let seg = s.segment(b.segment)?;
             let crate::block::SegmentKind::Vmm(pt) = &seg.kind else {
-                return Some(Err(AllocError::InvalidArgument(format!(
+                return Some(Err(AllocError::InvalidArgument(Box::new(format!(
                     "{ptr:#x} lies in a classic segment: share it with cudaIpcGetMemHandle"
-                ))));
+                )))));
             };
             let (first, end) = Shard::page_range(page_size, seg.addr, b.addr, b.size);
             if pt.any_in_run(first, end) {
-                return Some(Err(AllocError::InvalidArgument(format!(
+                return Some(Err(AllocError::InvalidArgument(Box::new(format!(
                     "{ptr:#x} lies in a physical run (a resumed pool's memory), which is not \
                      shared page by page"
-                ))));
+                )))));
             }
             let pages: Option<Vec<PageHandle>> =
                 pt.handle.get(first..end)?.iter().copied().collect();
@@ -464,20 +494,27 @@ impl<D: Device> Allocator<D> {
     }
 }
 
+/// [`AllocError::InvalidSize`], built out of line: the hot path keeps only the branch.
+#[cold]
+#[inline(never)]
+fn invalid_size(size: u64) -> AllocError {
+    AllocError::InvalidSize(size)
+}
+
 fn shard_error(e: ShardError) -> AllocError {
     match e {
         ShardError::OutOfMemory => AllocError::OutOfMemory(Box::default()),
-        ShardError::Device(d) => AllocError::Device(*d),
-        ShardError::UnknownPointer => AllocError::InvalidState("unknown pointer".into()),
-        ShardError::NotVmm => AllocError::InvalidState("not a vmm segment".into()),
-        ShardError::PageNotMapped => AllocError::InvalidState("page not mapped".into()),
-        ShardError::Retired => AllocError::InvalidState("the shard was forgotten".into()),
-        ShardError::StaleDuringCapture => {
-            AllocError::InvalidState("a page slot must be unmapped during a capture".into())
-        }
-        ShardError::Paused => AllocError::InvalidState("the pool is paused".into()),
-        ShardError::InRun => {
-            AllocError::InvalidState("a page of a physical run is unmapped only whole".into())
-        }
+        ShardError::Device(d) => AllocError::Device(d),
+        ShardError::UnknownPointer => AllocError::InvalidState(Box::new("unknown pointer".into())),
+        ShardError::NotVmm => AllocError::InvalidState(Box::new("not a vmm segment".into())),
+        ShardError::PageNotMapped => AllocError::InvalidState(Box::new("page not mapped".into())),
+        ShardError::Retired => AllocError::InvalidState(Box::new("the shard was forgotten".into())),
+        ShardError::StaleDuringCapture => AllocError::InvalidState(Box::new(
+            "a page slot must be unmapped during a capture".into(),
+        )),
+        ShardError::Paused => AllocError::InvalidState(Box::new("the pool is paused".into())),
+        ShardError::InRun => AllocError::InvalidState(Box::new(
+            "a page of a physical run is unmapped only whole".into(),
+        )),
     }
 }

@@ -455,9 +455,9 @@ impl<D: Device> Allocator<D> {
     /// ([`AllocError::InvalidState`], naming the bytes); a failed backup ([`AllocError::Device`]).
     pub fn pause_pool(&self, pool: PoolId, mode: PauseMode) -> AllocResult<PauseState> {
         if pool.is_default() {
-            return Err(AllocError::InvalidArgument(
+            return Err(AllocError::InvalidArgument(Box::new(
                 "the default pool cannot be paused".into(),
-            ));
+            )));
         }
         let _reclaim = lock(&self.reclaim);
         let arena_bytes: u64 = self
@@ -467,31 +467,33 @@ impl<D: Device> Allocator<D> {
             .map(|(_, b)| b)
             .sum();
         let mut pools = lock(&self.pools);
-        let entry = pools.get_mut(&pool).ok_or(AllocError::UnknownPool(pool))?;
+        let entry = pools
+            .get_mut(&pool)
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
         if entry.paused.is_some() {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {pool} is paused already"
-            )));
+            ))));
         }
         if self.capture_underway() {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {pool} cannot be paused during a stream capture"
-            )));
+            ))));
         }
         if arena_bytes > 0 {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {pool} holds {arena_bytes} bytes in arenas, which a pause does not release"
-            )));
+            ))));
         }
         let shards = lock(&self.shards);
         let cells = by_stream(&shards, pool);
         let mut guards: Vec<_> = cells.iter().map(|c| lock(&c.shard)).collect();
         let classic: u64 = guards.iter().map(|s| s.unpausable_bytes()).sum();
         if classic > 0 {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {pool} holds {classic} bytes in classic segments (cudaMalloc memory), which \
                  cannot be given back at their addresses: create it pausable"
-            )));
+            ))));
         }
         // Synchronous: nothing queued may touch a page once it is unmapped.
         self.dev.synchronize()?;
@@ -548,16 +550,18 @@ impl<D: Device> Allocator<D> {
     pub fn resume_pool(&self, pool: PoolId) -> AllocResult<u64> {
         let _reclaim = lock(&self.reclaim);
         let mut pools = lock(&self.pools);
-        let entry = pools.get_mut(&pool).ok_or(AllocError::UnknownPool(pool))?;
+        let entry = pools
+            .get_mut(&pool)
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
         if entry.paused.is_none() {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {pool} is not paused"
-            )));
+            ))));
         }
         if self.capture_underway() {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {pool} cannot be resumed during a stream capture"
-            )));
+            ))));
         }
         let shards = lock(&self.shards);
         let cells = by_stream(&shards, pool);
@@ -642,7 +646,7 @@ impl<D: Device> Allocator<D> {
     pub fn pool_pause_state(&self, pool: PoolId) -> AllocResult<PauseState> {
         let mode = lock(&self.pools)
             .get(&pool)
-            .ok_or(AllocError::UnknownPool(pool))?
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?
             .paused;
         let ps = self.shared.page_size;
         let mut state = PauseState {

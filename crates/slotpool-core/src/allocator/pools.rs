@@ -43,9 +43,9 @@ impl<D: Device> Allocator<D> {
     /// (PyTorch's `createOrIncrefPool`).
     pub fn create_or_incref_pool(&self, id: PoolId, options: PoolOptions) -> AllocResult<u64> {
         if id.is_default() {
-            return Err(AllocError::InvalidArgument(
+            return Err(AllocError::InvalidArgument(Box::new(
                 "the default pool always exists".into(),
-            ));
+            )));
         }
         Ok(Self::incref_locked(&mut lock(&self.pools), id, options))
     }
@@ -72,7 +72,9 @@ impl<D: Device> Allocator<D> {
     /// Named pools get ids `{0, 2^63 + n}`, apart from PyTorch's.
     pub fn named_pool(&self, name: &str, options: PoolOptions) -> AllocResult<PoolId> {
         if name.is_empty() {
-            return Err(AllocError::InvalidArgument("empty pool name".into()));
+            return Err(AllocError::InvalidArgument(Box::new(
+                "empty pool name".into(),
+            )));
         }
         let mut pools = lock(&self.pools);
         if let Some((id, e)) = pools
@@ -120,13 +122,15 @@ impl<D: Device> Allocator<D> {
         lock(&self.pools)
             .get(&id)
             .map(|e| e.use_count)
-            .ok_or(AllocError::UnknownPool(id))
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(id)))
     }
 
     /// Change a pool's options (`setUseOnOOM`, `setNoSplit`, byte limit).
     pub fn set_pool_options(&self, id: PoolId, options: PoolOptions) -> AllocResult<()> {
         let mut pools = lock(&self.pools);
-        let e = pools.get_mut(&id).ok_or(AllocError::UnknownPool(id))?;
+        let e = pools
+            .get_mut(&id)
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(id)))?;
         e.budget.set_limit(options.limit.unwrap_or(u64::MAX));
         e.options = options;
         Ok(())
@@ -137,7 +141,7 @@ impl<D: Device> Allocator<D> {
         lock(&self.pools)
             .get(&id)
             .map(|e| e.options.clone())
-            .ok_or(AllocError::UnknownPool(id))
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(id)))
     }
 
     /// Drop one use of a pool (`releasePool`). At zero the pool is freeable: its cached memory
@@ -150,22 +154,24 @@ impl<D: Device> Allocator<D> {
     /// cannot be dropped inside its own `use_mem_pool` block.
     pub fn release_pool(&self, id: PoolId) -> AllocResult<u64> {
         if id.is_default() {
-            return Err(AllocError::InvalidArgument(
+            return Err(AllocError::InvalidArgument(Box::new(
                 "the default pool cannot be released".into(),
-            ));
+            )));
         }
         let mut pools = lock(&self.pools);
-        let e = pools.get_mut(&id).ok_or(AllocError::UnknownPool(id))?;
+        let e = pools
+            .get_mut(&id)
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(id)))?;
         if e.use_count == 0 {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {id} was already released"
-            )));
+            ))));
         }
         if e.use_count == 1 && lock(&self.routes).iter().any(|r| r.pool == id) {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {id} has an active route (begin_allocate_to_pool): end the route before \
                  releasing the pool's last use"
-            )));
+            ))));
         }
         e.use_count -= 1;
         Ok(e.use_count)
@@ -217,18 +223,18 @@ impl<D: Device> Allocator<D> {
             .filter(|p| live.binary_search(p).is_err())
             .map(|p| format!("{p:#x}"))
             .collect();
-        Err(AllocError::InvalidState(format!(
+        Err(AllocError::InvalidState(Box::new(format!(
             "pool {pool}: live but not expected [{}], expected but not live [{}]",
             extra.join(", "),
             missing.join(", ")
-        )))
+        ))))
     }
 
     /// Wait for the cross-stream events of `pool`'s pending frees, so that they become reusable.
     /// Does nothing during a capture. Returns the frees still pending.
     pub fn drain_pending_frees(&self, pool: PoolId) -> AllocResult<usize> {
         if !lock(&self.pools).contains_key(&pool) {
-            return Err(AllocError::UnknownPool(pool));
+            return Err(AllocError::UnknownPool(Box::new(pool)));
         }
         let mut left = 0;
         for cell in self.pool_shards(pool) {
@@ -245,17 +251,17 @@ impl<D: Device> Allocator<D> {
     /// first; a pool already being recorded to is refused.
     pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: RouteFilter) -> AllocResult<()> {
         if pool.is_default() {
-            return Err(AllocError::InvalidArgument(
+            return Err(AllocError::InvalidArgument(Box::new(
                 "cannot route to the default pool".into(),
-            ));
+            )));
         }
         // Lock order: pools, then routes (`release_pool` reads the routes under the pools).
         let mut pools = lock(&self.pools);
         let mut routes = lock(&self.routes);
         if routes.iter().any(|r| r.pool == pool) {
-            return Err(AllocError::InvalidState(format!(
+            return Err(AllocError::InvalidState(Box::new(format!(
                 "already recording to pool {pool}"
-            )));
+            ))));
         }
         Self::incref_locked(&mut pools, pool, PoolOptions::default());
         drop(pools);
@@ -270,10 +276,9 @@ impl<D: Device> Allocator<D> {
     /// Stop routing to `pool` (no change to its use count).
     pub fn end_allocate_to_pool(&self, pool: PoolId) -> AllocResult<()> {
         let mut routes = lock(&self.routes);
-        let i = routes
-            .iter()
-            .rposition(|r| r.pool == pool)
-            .ok_or_else(|| AllocError::InvalidState(format!("no route to pool {pool}")))?;
+        let i = routes.iter().rposition(|r| r.pool == pool).ok_or_else(|| {
+            AllocError::InvalidState(Box::new(format!("no route to pool {pool}")))
+        })?;
         let r = routes.remove(i);
         if matches!(r.filter, RouteFilter::Capture(_)) {
             self.captures_active.fetch_sub(1, Ordering::AcqRel);

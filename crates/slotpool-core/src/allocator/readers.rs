@@ -28,7 +28,7 @@ impl<D: Device> Allocator<D> {
     /// O(blocks of the pool).
     pub fn live_allocation_list(&self, pool: PoolId) -> AllocResult<Vec<LiveAllocation>> {
         if !lock(&self.pools).contains_key(&pool) {
-            return Err(AllocError::UnknownPool(pool));
+            return Err(AllocError::UnknownPool(Box::new(pool)));
         }
         let mut out = Vec::new();
         for cell in self.pool_shards(pool) {

@@ -148,7 +148,7 @@ impl<D: Device> Allocator<D> {
     /// `empty_cache` for one pool; a pool in use keeps its graph-retained memory.
     pub fn empty_pool_cache(&self, pool: PoolId) -> AllocResult<()> {
         if !lock(&self.pools).contains_key(&pool) {
-            return Err(AllocError::UnknownPool(pool));
+            return Err(AllocError::UnknownPool(Box::new(pool)));
         }
         let reclaim = lock(&self.reclaim);
         let synced = !self.capture_underway() && self.counted.synchronize().is_ok();

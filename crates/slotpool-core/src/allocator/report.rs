@@ -33,7 +33,7 @@ impl<D: Device> Allocator<D> {
         f: impl Fn(&Shard) -> T,
     ) -> AllocResult<T> {
         if !lock(&self.pools).contains_key(&pool) {
-            return Err(AllocError::UnknownPool(pool));
+            return Err(AllocError::UnknownPool(Box::new(pool)));
         }
         Ok(self
             .pool_shards(pool)
@@ -79,7 +79,7 @@ impl<D: Device> Allocator<D> {
     /// Statistics of one pool.
     pub fn pool_stats(&self, pool: PoolId) -> AllocResult<MemoryStats> {
         if !lock(&self.pools).contains_key(&pool) {
-            return Err(AllocError::UnknownPool(pool));
+            return Err(AllocError::UnknownPool(Box::new(pool)));
         }
         let mut out = MemoryStats::default();
         for cell in self.pool_shards(pool) {

@@ -35,14 +35,16 @@ impl<D: Device> Allocator<D> {
     /// retired (see [`Allocator::drop_empty_shards`]).
     fn shard_for_slow(&self, pool: PoolId, stream: StreamId) -> AllocResult<ShardRef> {
         let pools = lock(&self.pools);
-        let entry = pools.get(&pool).ok_or(AllocError::UnknownPool(pool))?;
+        let entry = pools
+            .get(&pool)
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
         let mut shards = lock(&self.shards);
         if let Some(cell) = shards.get(&(pool, stream)) {
             return Ok(cell.clone());
         }
         if entry.paused.is_some() {
             // A new shard would have nothing to serve from.
-            return Err(AllocError::PoolPaused(pool));
+            return Err(AllocError::PoolPaused(Box::new(pool)));
         }
         let shard = Shard::new(
             pool,

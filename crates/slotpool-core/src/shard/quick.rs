@@ -24,7 +24,7 @@ impl Shard {
     }
 
     /// Hand out the cached block of exactly `rounded` bytes, if the quick cache has one.
-    #[inline]
+    #[inline(always)]
     pub(super) fn quick_hit(
         &mut self,
         env: &Env<'_>,
