@@ -302,3 +302,47 @@ fn a_pool_in_use_keeps_its_pinned_buffer_and_its_pause_when_empty() {
     assert_eq!(dev.host_buffer_bytes(), 0);
     assert!(!alloc.pools().contains(&pool));
 }
+
+#[test]
+fn a_resume_reclaims_what_other_pools_cache_before_it_gives_up() {
+    // 512 MiB device: a 200 MiB pausable pool, paused; the default pool then fills the device
+    // and frees it all, so its cache holds what the resume needs.
+    let (dev, alloc) = setup_paged(GrowthMode::Vmm, 512 * MIB, None);
+    let pool = alloc.named_pool("kv_cache", pausable()).unwrap();
+    let kv = alloc.alloc_in(pool, 200 * MIB, 0).unwrap();
+    fill_probes(&dev, kv, 200 * MIB, 7);
+    alloc.pause_pool(pool, PauseMode::Backup).unwrap();
+    let mut held = Vec::new();
+    while let Ok(p) = alloc.alloc(64 * MIB, 0) {
+        held.push(p);
+    }
+    assert!(
+        held.len() >= 6,
+        "the default pool took the paused pool's memory"
+    );
+    for p in held {
+        alloc.free(p).unwrap();
+    }
+    checked(&dev, &alloc);
+    let retries = alloc.stats().num_alloc_retries;
+    // Before: refused with an all-zero report while the default pool's cache held the memory.
+    alloc
+        .resume_pool(pool)
+        .expect("the resume reclaims the default pool's cache");
+    assert_eq!(alloc.stats().num_alloc_retries, retries + 1);
+    verify_probes(&dev, kv, 200 * MIB, 7).expect("the backup came back");
+    checked(&dev, &alloc);
+    // What cannot fit even then is refused with a report, and the pool stays paused.
+    alloc.pause_pool(pool, PauseMode::Discard).unwrap();
+    let big = alloc.alloc(400 * MIB, 0).unwrap();
+    match alloc.resume_pool(pool) {
+        Err(AllocError::OutOfMemory(r)) => assert!(r.allocated >= 400 * MIB, "{r:?}"),
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    assert!(alloc.pool_pause_state(pool).unwrap().mode.is_some());
+    checked(&dev, &alloc);
+    alloc.free(big).unwrap();
+    alloc.resume_pool(pool).unwrap();
+    alloc.free(kv).unwrap();
+    checked(&dev, &alloc);
+}

@@ -546,8 +546,21 @@ impl<D: Device> Allocator<D> {
     /// Resume `pool`: map new physical memory at every paused address, copy the backup back, free
     /// it. Returns the bytes mapped. Refused, with nothing changed, for a pool that is not paused
     /// ([`AllocError::InvalidState`]), during a capture, or when the memory cannot be had
-    /// ([`AllocError::OutOfMemory`]: the pool stays paused, its backup kept).
+    /// ([`AllocError::OutOfMemory`]: the pool stays paused, its backup kept). Memory other pools
+    /// cache is reclaimed first, as for an allocation (paused pools keep their state).
     pub fn resume_pool(&self, pool: PoolId) -> AllocResult<u64> {
+        let attempt = || self.resume_once(pool);
+        match attempt() {
+            Err(AllocError::OutOfMemory(r)) => {
+                self.reclaim_and_retry(r.requested, r.rounded, attempt)
+            }
+            other => other,
+        }
+    }
+
+    /// [`Allocator::resume_pool`] without reclaiming: out of memory comes back with the bytes the
+    /// resume needed.
+    fn resume_once(&self, pool: PoolId) -> AllocResult<u64> {
         let _reclaim = lock(&self.reclaim);
         let mut pools = lock(&self.pools);
         let entry = pools
