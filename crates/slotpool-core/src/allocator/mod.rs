@@ -234,7 +234,7 @@ impl<D: Device> Allocator<D> {
     ///
     /// The hot path, inlined into the caller (the C ABI's `sp_alloc`): a hit in the quick cache
     /// of the calling thread's cached shard, answered in registers; everything else goes to
-    /// [`Allocator::alloc_slow`] with the size checked and rounded, neither done again.
+    /// `Allocator::alloc_slow` with the size checked and rounded, neither done again.
     #[inline]
     pub fn alloc(&self, size: u64, stream: StreamId) -> AllocResult<DevicePtr> {
         // The one size check and the one rounding: the quick cache is keyed by the rounded
@@ -355,7 +355,7 @@ impl<D: Device> Allocator<D> {
     /// rejected and change nothing.
     ///
     /// The hot path, inlined into the caller (the C ABI's `sp_free`): the calling thread's
-    /// cached shard; every other pointer, and every error, goes to [`Allocator::free_slow`].
+    /// cached shard; every other pointer, and every error, goes to `Allocator::free_slow`.
     #[inline]
     pub fn free(&self, ptr: DevicePtr) -> AllocResult<()> {
         // The thread's cached shard, asked once: its free looks the pointer up itself (one hash
