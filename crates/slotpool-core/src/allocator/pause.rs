@@ -26,6 +26,7 @@
 //!   (`Allocator::end_orphaned_pauses`): backup freed, paused bytes forgotten, reservations
 //!   released, pool forgotten.
 
+use crate::allocator::pools::PoolEntry;
 use crate::allocator::{Allocator, ShardRef, ShardTable, shards_of};
 use crate::block::{SegmentId, SegmentKind};
 use crate::device::{Device, DeviceError, HostBuffer};
@@ -34,6 +35,7 @@ use crate::error::{AllocError, AllocResult};
 use crate::pool::PoolId;
 use crate::shard::{Shard, ShardError};
 use crate::sync::lock;
+use rustc_hash::FxHashMap;
 
 /// What a pause does with the pool's contents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
@@ -467,19 +469,7 @@ impl<D: Device> Allocator<D> {
             .map(|(_, b)| b)
             .sum();
         let mut pools = lock(&self.pools);
-        let entry = pools
-            .get_mut(&pool)
-            .ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
-        if entry.paused.is_some() {
-            return Err(AllocError::InvalidState(Box::new(format!(
-                "pool {pool} is paused already"
-            ))));
-        }
-        if self.capture_underway() {
-            return Err(AllocError::InvalidState(Box::new(format!(
-                "pool {pool} cannot be paused during a stream capture"
-            ))));
-        }
+        let entry = self.pause_entry(&mut pools, pool, false)?;
         if arena_bytes > 0 {
             return Err(AllocError::InvalidState(Box::new(format!(
                 "pool {pool} holds {arena_bytes} bytes in arenas, which a pause does not release"
@@ -558,24 +548,43 @@ impl<D: Device> Allocator<D> {
         }
     }
 
+    /// `pool`'s entry, for a pause (`paused` false: the pool must not be paused) or a resume
+    /// (`paused` true: it must be); refused for an unknown pool and during a capture.
+    fn pause_entry<'a>(
+        &self,
+        pools: &'a mut FxHashMap<PoolId, PoolEntry>,
+        pool: PoolId,
+        paused: bool,
+    ) -> AllocResult<&'a mut PoolEntry> {
+        let entry = pools
+            .get_mut(&pool)
+            .ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
+        let (wrong, verb) = match paused {
+            false => (
+                entry.paused.is_some().then_some("is paused already"),
+                "paused",
+            ),
+            true => (entry.paused.is_none().then_some("is not paused"), "resumed"),
+        };
+        if let Some(why) = wrong {
+            return Err(AllocError::InvalidState(Box::new(format!(
+                "pool {pool} {why}"
+            ))));
+        }
+        if self.capture_underway() {
+            return Err(AllocError::InvalidState(Box::new(format!(
+                "pool {pool} cannot be {verb} during a stream capture"
+            ))));
+        }
+        Ok(entry)
+    }
+
     /// [`Allocator::resume_pool`] without reclaiming: out of memory comes back with the bytes the
     /// resume needed.
     fn resume_once(&self, pool: PoolId) -> AllocResult<u64> {
         let _reclaim = lock(&self.reclaim);
         let mut pools = lock(&self.pools);
-        let entry = pools
-            .get_mut(&pool)
-            .ok_or_else(|| AllocError::UnknownPool(Box::new(pool)))?;
-        if entry.paused.is_none() {
-            return Err(AllocError::InvalidState(Box::new(format!(
-                "pool {pool} is not paused"
-            ))));
-        }
-        if self.capture_underway() {
-            return Err(AllocError::InvalidState(Box::new(format!(
-                "pool {pool} cannot be resumed during a stream capture"
-            ))));
-        }
+        let entry = self.pause_entry(&mut pools, pool, true)?;
         let shards = lock(&self.shards);
         let cells = by_stream(&shards, pool);
         let mut guards: Vec<_> = cells.iter().map(|c| lock(&c.shard)).collect();
