@@ -12,7 +12,8 @@ One repeat, in a fresh MemPool (a private pool, as a graph's), for N live blocks
   2. the checkpoint: getCheckpointState (timed apart, get_us);
   3. half changed: N/2 of the checkpoint's tensors die (every other one) and N/2 new tensors of
      other sizes are allocated into the pool and stay alive;
-  4. timed (set_us): setCheckpointPoolState(device, state, stale, []) with the N/2 new tensors'
+  4. timed (set_us): torch._C._cuda_setCheckpointPoolState(device, state, stale, []) (what graph
+     trees call; slotpool_torch.install() puts slotpool's binding there) with the N/2 new tensors'
      storages as the stale ones (their memory goes back to the pool: PyTorch requires every
      pointer the restore frees for good to come with its stale storage);
   5. as graph trees do after the call, the blocks of the tensors that died since the checkpoint
@@ -20,7 +21,8 @@ One repeat, in a fresh MemPool (a private pool, as a graph's), for N live blocks
   6. checked: the pool's live allocations are exactly the N/2 survivors
      (torch._C._cuda_checkPoolLiveAllocations); a repeat that fails the check fails the run.
 The first repeat of each size warms up and is left out; the table shows medians of the others.
-Then the same repeats again with step 4 through benches/gpu/ckpt_state_set.cpp (built just in
+Under slotpool the same repeats again through PyTorch's own binding (pytorch_binding_us:
+slotpool_torch.torch_set_checkpoint_pool_state). Then the same repeats again with step 4 through benches/gpu/ckpt_state_set.cpp (built just in
 time): the allocator's setCheckpointPoolState alone, timed in C++ (alloc_us), without the
 binding's list conversion and pointer sets; the stale storages lose their deleters as there.
 
@@ -60,7 +62,7 @@ def build_set_ext():
         return f"{type(e).__name__}: {e}"[:1000]
 
 
-def one_repeat(torch, n, device, set_ext=None):
+def one_repeat(torch, n, device, set_ext=None, set_fn=None):
     first_sizes = [512 * (i % 13 + 1) for i in range(2 * n)]
     new_sizes = [512 * ((7 * i) % 11 + 1) + 256 for i in range(n // 2)]
     pool = torch.cuda.MemPool()
@@ -85,7 +87,7 @@ def one_repeat(torch, n, device, set_ext=None):
     alloc_us = None
     t = time.perf_counter()
     if set_ext is None:
-        torch._C._cuda_setCheckpointPoolState(device, state, stale, [])
+        (set_fn or torch._C._cuda_setCheckpointPoolState)(device, state, stale, [])
     else:
         alloc_us = set_ext.set_state_timed(device, state, stale)[0]
     t_set = time.perf_counter()
@@ -103,6 +105,7 @@ def one_repeat(torch, n, device, set_ext=None):
 
 
 def child(alloc, sizes, repeats):
+    slotpool_torch = None
     if alloc == "slotpool":
         sys.path.insert(0, PLUGIN)
         import slotpool_torch
@@ -124,6 +127,12 @@ def child(alloc, sizes, repeats):
         res.update({k.replace("_us", "_min_us"): min(r[k] for r in runs) for k in keys})
         res["set_us_all"] = [round(r["set_us"], 1) for r in runs]
         res["live_check"] = all(r["live_check"] for r in runs)
+        if alloc == "slotpool":
+            # PyTorch's own binding over slotpool's allocator (install() replaced torch._C's).
+            theirs = [one_repeat(torch, n, device, set_fn=slotpool_torch.torch_set_checkpoint_pool_state)
+                      for _ in range(repeats + 1)][1:]
+            res["pytorch_binding_us"] = statistics.median(r["set_us"] for r in theirs)
+            res["live_check"] = res["live_check"] and all(r["live_check"] for r in theirs)
         if set_ext is not None:
             alone = [one_repeat(torch, n, device, set_ext) for _ in range(repeats + 1)][1:]
             res["alloc_us"] = statistics.median(r["alloc_us"] for r in alone)
@@ -209,6 +218,8 @@ def main(argv):
             print(json.dumps({"alloc": a, "live_blocks": int(n), "set_us": round(v["set_us"], 1),
                               "switch_us": round(v["switch_us"], 1), "get_us": round(v["get_us"], 1),
                               "alloc_us": round(v["alloc_us"], 1) if "alloc_us" in v else None,
+                              "pytorch_binding_us": (round(v["pytorch_binding_us"], 1)
+                                                     if "pytorch_binding_us" in v else None),
                               "live_check": v["live_check"]}))
         if r.get("alloc_us_error"):
             print(json.dumps({"alloc": a, "alloc_us_error": r["alloc_us_error"]}))
@@ -217,7 +228,7 @@ def main(argv):
     print(f"\nsetCheckpointPoolState, half of the live blocks changed (median of {args.repeats}, us)")
     print(f"{'live blocks':>11}  {'native set':>11}  {'slotpool set':>12}  {'ratio':>7}  "
           f"{'native switch':>13}  {'slotpool switch':>15}  {'native alone':>12}  "
-          f"{'slotpool alone':>14}")
+          f"{'slotpool alone':>14}  {'slotpool, torch binding':>23}")
     for n in sizes:
         def cell(a, k):
             v = results.get(a, {}).get("sizes", {}).get(str(n), {}).get(k)
@@ -226,9 +237,11 @@ def main(argv):
         print(f"{n:>11}  {cell('native', 'set_us'):>11}  {cell('slotpool', 'set_us'):>12}  "
               f"{(f'{ratio:.0f}x' if ratio else '-'):>7}  {cell('native', 'switch_us'):>13}  "
               f"{cell('slotpool', 'switch_us'):>15}  {cell('native', 'alloc_us'):>12}  "
-              f"{cell('slotpool', 'alloc_us'):>14}")
-    print("set: the torch._C call; switch: set + graph trees' raw_delete of the re-created blocks; "
-          "alone: the allocator's setCheckpointPoolState timed in C++")
+              f"{cell('slotpool', 'alloc_us'):>14}  {cell('slotpool', 'pytorch_binding_us'):>23}")
+    print("set: the torch._C call (under slotpool: slotpool's, put there by install()); switch: "
+          "set + graph trees' raw_delete of the re-created blocks; alone: the allocator's "
+          "setCheckpointPoolState timed in C++; torch binding: PyTorch's own torch._C function over "
+          "slotpool's allocator")
     if "target" in report:
         t = report["target"]
         print(f"target: slotpool >= {t['ratio_at_least']}x faster at {t['live_blocks']} blocks: "

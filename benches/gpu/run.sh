@@ -193,7 +193,7 @@ fi
 if has vmm_runs; then
   # Pause / resume at the driver: per page against per physical run, one unmap over several
   # mappings, cuMemRelease, copy bandwidth and the pinning of the backup buffer (1, 10, 40 GB).
-  if nvcc -O2 -std=c++17 benches/gpu/vmm_runs.cu -lcuda -o "$BUILD/vmm_runs" >"$OUT/vmm_runs_build.log" 2>&1; then
+  if nvcc -O2 -std=c++17 benches/gpu/vmm_runs.cu -lcuda -lpthread -o "$BUILD/vmm_runs" >"$OUT/vmm_runs_build.log" 2>&1; then
     run vmm_runs 540 "$BUILD/vmm_runs"
     grep '^{' "$OUT/vmm_runs.log" | sed 's/^{/{"step": "vmm_runs", /' >>"$RES"
   else

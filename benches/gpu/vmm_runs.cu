@@ -8,6 +8,8 @@
 //   * unmap: per page, and one cuMemUnmap over a range of several page mappings (does the driver
 //     take it? if it refuses, are the pages still mapped?); cuMemRelease per page and per run;
 //   * cuMemMap at a nonzero offset into a run, and cuMemUnmap of part of a run's mapping;
+//   * runs of 8 GiB; a pause that releases every handle first and then unmaps the range once;
+//     a pause spread over 2, 4 or 8 threads (is the driver's release serialised?);
 //   * copy bandwidth device <-> pinned host: one call of the whole size, 256 MiB chunks on one
 //     stream, and on two streams; the cost of pinning the buffer with cuMemHostAlloc against
 //     mmap + MADV_HUGEPAGE + cuMemHostRegister.
@@ -26,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #define CK(x)                                                                \
@@ -94,13 +97,70 @@ static std::pair<double, double> unmap_each(CUdeviceptr va, Mapped& m) {
   return {u, ms_since(t)};
 }
 
+// A pause in other orders and on several threads, for runs of `chunk` bytes over [va, va + total):
+// "order": every handle released while still mapped, then one cuMemUnmap over the range (the
+// release takes effect at the unmap); "tN": N threads, each unmapping and releasing its share of
+// the runs. Returns the pause's wall time in ms for each variant, in the order of `threads`.
+struct PauseWays {
+  double release_then_unmap_ms = -1;
+  std::vector<std::pair<int, double>> threads;
+};
+static PauseWays pause_ways(CUcontext ctx, CUdeviceptr va, size_t total, size_t chunk,
+                            const std::vector<int>& threads) {
+  PauseWays out;
+  {
+    Mapped m = map_chunks(va, total, chunk);
+    auto t = clk::now();
+    for (auto h : m.h) CK(cuMemRelease(h));
+    CUresult r = cuMemUnmap(va, total);
+    out.release_then_unmap_ms = r == CUDA_SUCCESS ? ms_since(t) : -2;
+    if (r != CUDA_SUCCESS) {
+      size_t off = 0;
+      for (size_t i = 0; i < m.h.size(); i++) {
+        cuMemUnmap(va + off, m.len[i]);
+        off += m.len[i];
+      }
+    }
+  }
+  for (int n : threads) {
+    Mapped m = map_chunks(va, total, chunk);
+    std::vector<size_t> offs(m.h.size());
+    for (size_t i = 1; i < m.h.size(); i++) offs[i] = offs[i - 1] + m.len[i - 1];
+    auto t = clk::now();
+    std::vector<std::thread> ts;
+    for (int k = 0; k < n; k++) {
+      ts.emplace_back([&, k] {
+        cuCtxSetCurrent(ctx);
+        for (size_t i = k; i < m.h.size(); i += n) {
+          CK(cuMemUnmap(va + offs[i], m.len[i]));
+          CK(cuMemRelease(m.h[i]));
+        }
+      });
+    }
+    for (auto& th : ts) th.join();
+    out.threads.push_back({n, ms_since(t)});
+  }
+  return out;
+}
+
+static std::string ways_json(const char* name, const PauseWays& w) {
+  char buf[512];
+  int at = snprintf(buf, sizeof buf, "\"%s_release_then_unmap_ms\": %.3f", name,
+                    w.release_then_unmap_ms);
+  for (auto& [n, ms] : w.threads)
+    at += snprintf(buf + at, sizeof buf - at, ", \"%s_pause_%d_threads_ms\": %.3f", name, n, ms);
+  return buf;
+}
+
 struct Row {
   double gb;
   Mapped page;
   double page_unmap = 0, page_release = 0;
   std::string span;  // one cuMemUnmap over the page mappings: "ok", or the error and what stayed
   double span_ms = -1, span_release = 0;
-  Mapped run2g, whole;
+  Mapped run2g, run8g, whole;
+  double run8g_unmap = 0, run8g_release = 0;
+  std::string ways;  // pause_ways over pages, 2 GiB runs and the whole size, as JSON fields
   double run2g_unmap = 0, run2g_release = 0, whole_unmap = 0, whole_release = 0;
   double dtoh_gbs = 0, htod_gbs = 0, dtoh_chunk_gbs = 0, htod_chunk_gbs = 0, dtoh_2s_gbs = 0,
          htod_2s_gbs = 0;
@@ -237,6 +297,16 @@ int main() {
     ur = unmap_each(va, row.run2g);
     row.run2g_unmap = ur.first;
     row.run2g_release = ur.second;
+    if (total > ((size_t)8 << 30)) {
+      row.run8g = map_chunks(va, total, (size_t)8 << 30);
+      ur = unmap_each(va, row.run8g);
+      row.run8g_unmap = ur.first;
+      row.run8g_release = ur.second;
+    }
+    row.ways = ways_json("pages", pause_ways(ctx, va, total, PAGE, {4})) + ", " +
+               ways_json("run2g", pause_ways(ctx, va, total, std::min(total, (size_t)2 << 30),
+                                             {2, 4, 8})) +
+               ", " + ways_json("whole", pause_ways(ctx, va, total, total, {}));
     row.whole = map_chunks(va, total, total);
     // The copies run on the whole run while it is mapped.
     void* host = nullptr;
@@ -269,6 +339,8 @@ int main() {
            "\"span_unmap\": \"%s\", \"span_unmap_ms\": %.3f, \"span_release_ms\": %.2f, "
            "\"runs_2g\": %zu, \"run2g_create_ms\": %.3f, \"run2g_map_ms\": %.3f, "
            "\"run2g_access_ms\": %.3f, \"run2g_unmap_ms\": %.3f, \"run2g_release_ms\": %.3f, "
+           "\"runs_8g\": %zu, \"run8g_create_ms\": %.3f, \"run8g_map_ms\": %.3f, "
+           "\"run8g_access_ms\": %.3f, \"run8g_unmap_ms\": %.3f, \"run8g_release_ms\": %.3f, %s, "
            "\"whole_create_ms\": %.3f, \"whole_map_ms\": %.3f, \"whole_access_ms\": %.3f, "
            "\"whole_unmap_ms\": %.3f, \"whole_release_ms\": %.3f, "
            "\"dtoh_gbs\": %.2f, \"htod_gbs\": %.2f, \"dtoh_chunked_gbs\": %.2f, "
@@ -277,7 +349,9 @@ int main() {
            gb, row.page.h.size(), row.page.create_ms, row.page.map_ms, row.page.access_ms,
            row.page_unmap, row.page_release, row.span.c_str(), row.span_ms, row.span_release,
            row.run2g.h.size(), row.run2g.create_ms, row.run2g.map_ms, row.run2g.access_ms,
-           row.run2g_unmap, row.run2g_release, row.whole.create_ms, row.whole.map_ms,
+           row.run2g_unmap, row.run2g_release, row.run8g.h.size(), row.run8g.create_ms,
+           row.run8g.map_ms, row.run8g.access_ms, row.run8g_unmap, row.run8g_release,
+           row.ways.c_str(), row.whole.create_ms, row.whole.map_ms,
            row.whole.access_ms, row.whole_unmap, row.whole_release, row.dtoh_gbs, row.htod_gbs,
            row.dtoh_chunk_gbs, row.htod_chunk_gbs, row.dtoh_2s_gbs, row.htod_2s_gbs,
            row.pin_alloc_ms, row.pin_register_ms);

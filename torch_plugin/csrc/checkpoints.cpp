@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <functional>
 
 namespace slotpool_torch {
 
@@ -118,41 +119,59 @@ std::shared_ptr<CCA::AllocatorState> SlotpoolAllocator::getCheckpointState(c10::
   return take_checkpoint(device, to_sp(id));
 }
 
-CCA::CheckpointDelta SlotpoolAllocator::setCheckpointPoolState(
-    c10::DeviceIndex device, std::shared_ptr<CCA::AllocatorState> pps) {
-  ensure_initialized();
+std::shared_ptr<CheckpointState> graph_checkpoint_state(
+    c10::DeviceIndex device, const std::shared_ptr<CCA::AllocatorState>& pps) {
   auto state = std::dynamic_pointer_cast<CheckpointState>(pps);
   TORCH_CHECK(state != nullptr,
               "slotpool: setCheckpointPoolState needs a state from slotpool's getCheckpointState");
   TORCH_CHECK(state->device == device, "slotpool: checkpoint of device ", state->device,
               " restored on device ", static_cast<int>(device));
   TORCH_CHECK(state->cp != nullptr, "slotpool: checkpoint already freed");
-  (void)sp_process_events(device);
+  return state;
+}
+
+GraphRestore SlotpoolAllocator::restore_graph_state(std::shared_ptr<CheckpointState> state) {
+  ensure_initialized();
+  (void)sp_process_events(state->device);
   DeltaGuard delta;
   void* none[1] = {nullptr};  // keep nothing (PyTorch's restore has no keep set)
   check(sp_checkpoint_restore(state->cp, none, 0, &delta.p), "sp_checkpoint_restore");
-  // PyTorch's contract: every allocation live before is "freed", every allocation of the
-  // checkpoint is "allocated" (survivors, live in both, appear in both lists). Live before: what
-  // the restore freed, and the survivors, which are the checkpoint's allocations the restore did
-  // not re-create.
-  const sp_restore_delta* d = delta.p;
-  std::vector<void*> created = delta_ptrs(d, /*created=*/true);
-  if (!std::is_sorted(created.begin(), created.end())) {
-    std::sort(created.begin(), created.end());
+  GraphRestore out;
+  out.freed = delta_ptrs(delta.p, /*created=*/false);
+  out.created = delta_ptrs(delta.p, /*created=*/true);
+  for (std::vector<void*>* v : {&out.freed, &out.created}) {
+    if (!std::is_sorted(v->begin(), v->end())) {
+      std::sort(v->begin(), v->end());
+    }
   }
-  const std::vector<void*>& live_after = state->live;
-  CCA::CheckpointDelta out;
-  out.ptrs_freed = delta_ptrs(d, /*created=*/false, live_after.size());
-  // Both lists in address order.
+  out.state = std::move(state);
+  return out;
+}
+
+void GraphRestore::for_each_survivor(const std::function<void(void*)>& f) const {
   auto next_created = created.begin();
-  for (void* p : live_after) {
+  for (void* p : state->live) {
     while (next_created != created.end() && *next_created < p) {
       ++next_created;
     }
     if (next_created == created.end() || *next_created != p) {
-      out.ptrs_freed.push_back(p);
+      f(p);
     }
   }
+}
+
+CCA::CheckpointDelta SlotpoolAllocator::setCheckpointPoolState(
+    c10::DeviceIndex device, std::shared_ptr<CCA::AllocatorState> pps) {
+  // PyTorch's contract: every allocation live before is "freed", every allocation of the
+  // checkpoint is "allocated" (survivors, live in both, appear in both lists). Live before: what
+  // the restore freed, and the survivors, which are the checkpoint's allocations the restore did
+  // not re-create. Both lists in address order.
+  GraphRestore r = restore_graph_state(graph_checkpoint_state(device, pps));
+  const std::vector<void*>& live_after = r.state->live;
+  CCA::CheckpointDelta out;
+  out.ptrs_freed = std::move(r.freed);
+  out.ptrs_freed.reserve(out.ptrs_freed.size() + live_after.size());
+  r.for_each_survivor([&](void* p) { out.ptrs_freed.push_back(p); });
   out.dataptrs_allocd.reserve(live_after.size());
   const c10::Device dev(c10::DeviceType::CUDA, device);
   for (void* p : live_after) {

@@ -37,6 +37,26 @@ py::list ptr_sizes(const std::vector<sp::PtrSize>& v) {
   return out;
 }
 
+// A list (or any sequence) of StorageImpl addresses, as Python holds them (`storage._cdata`).
+std::vector<c10::StorageImpl*> storage_ptrs(const py::handle& seq, const char* what) {
+  py::object fast = py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), what));
+  if (!fast) {
+    throw py::error_already_set();
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
+  std::vector<c10::StorageImpl*> out;
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; i++) {
+    void* p = PyLong_AsVoidPtr(items[i]);
+    if (p == nullptr && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    out.push_back(static_cast<c10::StorageImpl*>(p));
+  }
+  return out;
+}
+
 py::dict restore_dict(const sp::RestoreResult& r) {
   py::dict d;
   d["freed"] = ptr_sizes(r.freed);
@@ -287,6 +307,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           c.cp = nullptr;
         }
       });
+  // torch._C._cuda_setCheckpointPoolState's replacement (graph_state.cpp), same arguments.
+  m.def(
+      "set_checkpoint_pool_state",
+      [](c10::DeviceIndex device, const std::shared_ptr<sp::CCA::AllocatorState>& state,
+         const py::handle& stale, const py::handle& add) {
+        sp::set_checkpoint_pool_state(
+            alloc(), device, state, storage_ptrs(stale, "stale_storages_ptr: a sequence of ints"),
+            storage_ptrs(add, "storages_to_add_deleters_to: a sequence of ints"));
+      },
+      py::arg("device"), py::arg("state"), py::arg("stale_storages_ptr"),
+      py::arg("storages_to_add_deleters_to") = py::list());
   m.def("checkpoint", [](int device, const Pool& pool) {
     return alloc().take_checkpoint(device, pool_of(pool));
   });

@@ -15,6 +15,7 @@
 //   pools.cpp        pool lifetime and options, live allocations, checkPoolLiveAllocations
 //   orphans.cpp      stale owners after slotpool's own restores
 //   checkpoints.cpp  getCheckpointState / setCheckpointPoolState, restores, variant groups
+//   graph_state.cpp  torch._C._cuda_setCheckpointPoolState's work on the restore's lists
 //   history.cpp      recordHistory, stacks, trace trackers
 //   snapshot.cpp     snapshot() for memory_viz, getExpandableSegmentSizes
 //   ipc.cpp          CUDA IPC handles
@@ -57,6 +58,7 @@
 #pragma once
 
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAMacros.h>
 
@@ -126,6 +128,19 @@ using PtrSize = std::pair<void*, size_t>;
 struct RestoreResult {
   std::vector<PtrSize> freed;    // live before, freed by the restore (now orphans)
   std::vector<PtrSize> created;  // re-created by the restore (freed again at once if asked)
+};
+
+struct CheckpointState;
+
+// What a restore of a getCheckpointState state did, as both setCheckpointPoolState and
+// set_checkpoint_pool_state (graph_state.cpp) read it. Every list in address order.
+struct GraphRestore {
+  std::vector<void*> freed;    // live before, freed by the restore
+  std::vector<void*> created;  // re-created by the restore
+  std::shared_ptr<CheckpointState> state;  // state->live: what is live in the pool now
+  // Calls f for each survivor: live in the checkpoint and before the restore, untouched by it
+  // (state->live less created), lowest address first.
+  void for_each_survivor(const std::function<void(void*)>& f) const;
 };
 
 // getCheckpointState's AllocatorState: owns one sp_checkpoint.
@@ -244,6 +259,9 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   // Record restore-freed pointers as orphans; free re-created ones if asked.
   RestoreResult absorb_delta(int device, sp_pool_id pool, sp_restore_delta* delta,
                              bool free_created);
+  // setCheckpointPoolState's restore (of a state from graph_checkpoint_state), before PyTorch's
+  // delta is built from it.
+  GraphRestore restore_graph_state(std::shared_ptr<CheckpointState> state);
   // slotpool_torch.restore: slotpool's own semantics (survivors untouched).
   RestoreResult restore(int device, sp_pool_id pool, const CheckpointState& cp,
                         const std::vector<void*>& keep_live, bool free_created);
@@ -356,6 +374,17 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   std::mutex ipc_mu_;
   std::unordered_map<std::string, std::weak_ptr<void>> ipc_opened_;
 };
+
+// A getCheckpointState state as slotpool's, checked to be one, of `device`, not freed.
+std::shared_ptr<CheckpointState> graph_checkpoint_state(
+    c10::DeviceIndex device, const std::shared_ptr<CCA::AllocatorState>& pps);
+
+// torch._C._cuda_setCheckpointPoolState's work, with its contract, on slotpool's restore
+// (graph_state.cpp): stale storages lose their deleters, storages_to_add_deleters_to take them.
+void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
+                               const std::shared_ptr<CCA::AllocatorState>& state,
+                               const std::vector<c10::StorageImpl*>& stale_storages,
+                               const std::vector<c10::StorageImpl*>& storages_to_add_deleters_to);
 
 // The deleter of every DataPtr the allocator hands out (raw_deleter()).
 void slotpool_delete(void* ptr);

@@ -38,6 +38,7 @@ from ._torch import TorchMissing, torch  # torch is imported on first use
 
 __all__ = [
     "install",
+    "torch_set_checkpoint_pool_state",
     "config",
     "is_installed",
     "load",
@@ -126,6 +127,7 @@ def install(backend: str | None = "cuda", conf: str | None = None, verbose: bool
     """
     ext = load(verbose=verbose)
     if ext.is_installed():
+        _put_set_checkpoint_pool_state(ext)
         return
     if torch.cuda.is_initialized():
         raise RuntimeError(
@@ -135,6 +137,22 @@ def install(backend: str | None = "cuda", conf: str | None = None, verbose: bool
             "`python -m slotpool_torch script.py`."
         )
     ext.install(backend, conf)
+    _put_set_checkpoint_pool_state(ext)
+
+
+# torch._C._cuda_setCheckpointPoolState as PyTorch ships it, once install() has put slotpool's in
+# its place (None before). CUDA graph trees call it at every branch switch; PyTorch's version asks
+# the allocator for an owning DataPtr per live block and builds four hash sets over them, which at
+# 10,000 live blocks costs more than slotpool's restore. slotpool's takes the same arguments and
+# keeps the same contract and checks (torch_plugin/csrc/graph_state.cpp).
+torch_set_checkpoint_pool_state = None
+
+
+def _put_set_checkpoint_pool_state(ext) -> None:
+    global torch_set_checkpoint_pool_state
+    if torch_set_checkpoint_pool_state is None:
+        torch_set_checkpoint_pool_state = torch._C._cuda_setCheckpointPoolState
+        torch._C._cuda_setCheckpointPoolState = ext.set_checkpoint_pool_state
 
 
 def is_installed() -> bool:

@@ -36,6 +36,7 @@ ALLOCATOR_SOURCES = (
     "pools.cpp",
     "orphans.cpp",
     "checkpoints.cpp",
+    "graph_state.cpp",
     "history.cpp",
     "snapshot.cpp",
     "ipc.cpp",

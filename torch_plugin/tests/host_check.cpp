@@ -16,10 +16,13 @@
 #include <mutex>
 #include <tuple>
 #include <atomic>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "../csrc/slotpool_allocator.h"
+
+#include <c10/core/StorageImpl.h>
 
 // Symbols of libtorch_cuda / libtorch_python the shim references but these checks never reach
 // (installing the allocator, Python bindings): defined here so that only c10 is needed.
@@ -268,6 +271,95 @@ void check_stats_routes_and_checkpoints(slotpool_torch::SlotpoolAllocator& a) {
   expect(a.checkPoolLiveAllocations(1, half, {}), "half changed: the DataPtrs freed the pool");
   cp_half.reset();
   a.releasePool(1, half);
+}
+
+// set_checkpoint_pool_state (what torch._C._cuda_setCheckpointPoolState becomes under slotpool),
+// on storages made here: stale storages lose the deleter, storages without one take it, and what
+// can be refused before the restore changes nothing.
+void check_graph_state(slotpool_torch::SlotpoolAllocator& a) {
+  using slotpool_torch::set_checkpoint_pool_state;
+  using slotpool_torch::slotpool_delete;
+  auto* s1 = reinterpret_cast<cudaStream_t>(11);
+  const c10::Device dev(c10::DeviceType::CUDA, 1);
+  auto owned = [&](void* p, size_t n) {  // a storage that owns p, as allocate() makes it
+    return c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), n,
+                                                 c10::DataPtr(p, p, &slotpool_delete, dev),
+                                                 nullptr, false);
+  };
+  auto bare = [&](void* p, size_t n) {  // graph trees' storage over a block: no deleter
+    return c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), n,
+                                                 c10::DataPtr(p, dev), nullptr, false);
+  };
+  c10::MempoolId_t pool{9, 0};
+  a.createOrIncrefPool(1, pool);
+  auto alloc = [&](size_t n) {
+    a.beginAllocateToPool(1, pool, FakeCUDAGraphFilter{s1});
+    void* p = a.malloc_impl(1, n, s1);
+    a.endAllocateToPool(1, pool);
+    return p;
+  };
+  std::vector<void*> in_cp;
+  for (size_t i = 0; i < 4; ++i) {
+    in_cp.push_back(alloc((i + 1) << 20));
+  }
+  auto cp = a.getCheckpointState(1, pool);
+  a.free_ptr(in_cp[0], true);
+  a.free_ptr(in_cp[2], true);
+  void* n1 = alloc(7 << 20);
+  void* n2 = alloc(9 << 20);
+  auto st1 = owned(n1, 7 << 20);
+  auto st2 = owned(n2, 9 << 20);
+  const std::set<void*> cp_live(in_cp.begin(), in_cp.end());
+
+  // Refused before the restore: a stale storage with another deleter; a storage that already
+  // has a deleter context; a state that is not slotpool's.
+  auto foreign = c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), 16,
+      c10::DataPtr(n2, n2, &c10::detail::deleteNothing, dev), nullptr, false);
+  std::string msg = thrown([&] { set_checkpoint_pool_state(a, 1, cp, {st1.get(), foreign.get()}, {}); });
+  expect(msg.find("deleter") != std::string::npos, "a foreign deleter is refused: " + msg);
+  auto with_ctx = owned(in_cp[1], 2 << 20);
+  msg = thrown([&] { set_checkpoint_pool_state(a, 1, cp, {st1.get(), st2.get()}, {with_ctx.get()}); });
+  expect(msg.find("Not expecting deleter") != std::string::npos,
+         "a storage with a deleter context is refused: " + msg);
+  (void)with_ctx->mutable_data_ptr().release_context();  // not its memory to free
+  msg = thrown([&] { set_checkpoint_pool_state(a, 1, nullptr, {st1.get()}, {}); });
+  expect(msg.find("getCheckpointState") != std::string::npos, "a null state is refused: " + msg);
+  expect(a.checkPoolLiveAllocations(1, pool, {in_cp[1], in_cp[3], n1, n2}),
+         "the refused calls changed nothing");
+  expect(st1->data_ptr().get_deleter() == &slotpool_delete, "the refused calls kept the deleters");
+
+  // The branch switch: the new blocks' storages are stale (one given twice), the re-created
+  // in_cp[0] takes a deleter through a bare storage.
+  auto over0 = bare(in_cp[0], 1 << 20);
+  msg = thrown([&] {
+    set_checkpoint_pool_state(a, 1, cp, {st1.get(), st2.get(), st1.get()}, {over0.get()});
+  });
+  expect(msg.empty(), "the branch switch: " + msg);
+  expect(a.checkPoolLiveAllocations(1, pool, {cp_live.begin(), cp_live.end()}),
+         "the pool holds the checkpoint's allocations");
+  expect(st1->data_ptr().get_deleter() == &c10::detail::deleteNothing &&
+             st2->data_ptr().get_deleter() == &c10::detail::deleteNothing,
+         "the stale storages lost their deleter");
+  expect(over0->data_ptr().get_deleter() == &slotpool_delete, "the bare storage took ours");
+  st1.reset();
+  st2.reset();  // free nothing
+  over0.reset();  // frees in_cp[0]
+  expect(a.checkPoolLiveAllocations(1, pool, {in_cp[1], in_cp[2], in_cp[3]}),
+         "dropping the storages freed only the one that took the deleter");
+
+  // A block freed for good without its stale storage: refused (after the restore, as PyTorch).
+  void* n3 = alloc(5 << 20);
+  msg = thrown([&] { set_checkpoint_pool_state(a, 1, cp, {}, {}); });
+  expect(msg.find("stale tensors") != std::string::npos, "a missing stale storage: " + msg);
+  expect(a.checkPoolLiveAllocations(1, pool, {cp_live.begin(), cp_live.end()}),
+         "the restore before the refusal returned the pool to the checkpoint");
+  (void)n3;
+  for (void* p : in_cp) {
+    a.free_ptr(p, true);
+  }
+  cp.reset();
+  a.releasePool(1, pool);
 }
 
 // setUseOnOOM / setNoSplit change one option and keep the others the pool has (here a byte
@@ -549,6 +641,7 @@ int main() {
   a.free_ptr(s4, true);
 
   check_stats_routes_and_checkpoints(a);
+  check_graph_state(a);
   check_pool_options(a);
   check_expandable_sizes(a);
 

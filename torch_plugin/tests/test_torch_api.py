@@ -592,6 +592,122 @@ def test_checkpoint_state_half_changed():
     gc.collect()
 
 
+def test_checkpoint_state_half_changed_both_bindings():
+    # The same branch switch through each binding, three times over on one pool with other new
+    # tensors each time: the live set is the survivors' after each, and their contents stay.
+    d = torch.cuda.current_device()
+    for name, set_state in _set_state_fns():
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            ts = [torch.full((512 * (i % 7 + 1),), i % 251, dtype=torch.uint8, device=dev)
+                  for i in range(200)]
+        torch.cuda.synchronize()
+        state = torch._C._cuda_getCheckpointState(d, pool.id)
+        dead_ptrs = [t.data_ptr() for t in ts[::2]]  # re-created by every restore
+        survivors = ts[1::2]
+        del ts
+        for r in range(3):
+            with torch.cuda.use_mem_pool(pool):
+                new = [torch.empty(3000 + 64 * i + 512 * r, dtype=torch.uint8, device=dev)
+                       for i in range(100)]
+            set_state(d, state, [t.untyped_storage()._cdata for t in new], [])
+            for p in dead_ptrs:
+                torch._C._cuda_cudaCachingAllocator_raw_delete(p)
+            del new
+            want = {t.data_ptr() for t in survivors}
+            assert torch._C._cuda_checkPoolLiveAllocations(d, pool.id, want), (name, r)
+            assert [int(t[0]) for t in survivors] == [i % 251 for i in range(1, 200, 2)], name
+        del survivors, state
+        gc.collect()
+        assert torch._C._cuda_checkPoolLiveAllocations(d, pool.id, set()), name
+        del pool
+        gc.collect()
+
+
+def _set_state_fns():
+    """The setCheckpointPoolState functions to check: what torch._C holds now (slotpool's under
+    slotpool) and, under slotpool, PyTorch's own binding over slotpool's allocator."""
+    fns = [("torch._C", torch._C._cuda_setCheckpointPoolState)]
+    if slot:
+        fns.append(("pytorch's binding", sp.torch_set_checkpoint_pool_state))
+    return fns
+
+
+def test_set_checkpoint_pool_state_is_slotpools():
+    slotpool_only()
+    assert sp.torch_set_checkpoint_pool_state is not None
+    assert torch._C._cuda_setCheckpointPoolState is sp.load().set_checkpoint_pool_state
+    assert torch._C._cuda_setCheckpointPoolState is not sp.torch_set_checkpoint_pool_state
+
+
+def test_set_checkpoint_pool_state_contract():
+    # PyTorch's contract, checked for each binding on the same allocator: (a) a pointer the
+    # restore frees for good comes with its stale storage; (b) stale storages of survivors lose their
+    # deleters, and (c) storages_to_add_deleters_to get them back (CUDA graph trees' pattern:
+    # stale_storages empty, the path's live storages take deleters).
+    d = torch.cuda.current_device()
+    for name, set_state in _set_state_fns():
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            ts = [torch.full((1024 * (i + 1),), i, dtype=torch.uint8, device=dev) for i in range(6)]
+        torch.cuda.synchronize()
+        state = torch._C._cuda_getCheckpointState(d, pool.id)
+        ptrs = {t.data_ptr() for t in ts}
+        with torch.cuda.use_mem_pool(pool):
+            extra = torch.empty(5000, dtype=torch.uint8, device=dev)
+        torch.cuda.synchronize()
+        # (a) the extra tensor's block is freed for good, with its storage as stale. (Without it
+        # the call fails only after the restore, in both bindings: PyTorch's contract.)
+        set_state(d, state, [extra.untyped_storage()._cdata], [])
+        del extra  # its deleter is gone: nothing is freed twice
+        assert torch._C._cuda_checkPoolLiveAllocations(d, pool.id, ptrs), name
+        # (b) the survivors' storages, as stale: their deleters go, the blocks stay live.
+        set_state(d, state, [t.untyped_storage()._cdata for t in ts], [])
+        assert torch._C._cuda_checkPoolLiveAllocations(d, pool.id, ptrs), name
+        # (c) storages made over the blocks without a deleter (as graph trees make them) take
+        # deleters; the old tensors free nothing, dropping the new storages frees the blocks.
+        owners = [torch._C._construct_storage_from_data_pointer(
+            t.data_ptr(), t.device, t.untyped_storage().nbytes()) for t in ts]
+        set_state(d, state, [], [o._cdata for o in owners])
+        assert [int(t[0]) for t in ts] == list(range(6)), name
+        del ts
+        gc.collect()
+        assert torch._C._cuda_checkPoolLiveAllocations(d, pool.id, ptrs), name
+        del owners
+        gc.collect()
+        torch.cuda.synchronize()
+        assert torch._C._cuda_checkPoolLiveAllocations(d, pool.id, set()), name
+        del state, pool
+        gc.collect()
+
+
+def test_set_checkpoint_pool_state_refuses_without_change():
+    # slotpool's binding refuses what it can before the restore: a stale storage with another
+    # deleter, a state that is not a checkpoint state. The pool is as it was.
+    slotpool_only()
+    d = torch.cuda.current_device()
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        a = torch.empty(4096, dtype=torch.uint8, device=dev)
+    state = torch._C._cuda_getCheckpointState(d, pool.id)
+    with torch.cuda.use_mem_pool(pool):
+        b = torch.empty(8192, dtype=torch.uint8, device=dev)
+    cpu = torch.empty(16, dtype=torch.uint8)  # its storage has the CPU allocator's deleter
+    with pytest.raises(RuntimeError, match="deleter"):
+        torch._C._cuda_setCheckpointPoolState(
+            d, state, [b.untyped_storage()._cdata, cpu.untyped_storage()._cdata], [])
+    with pytest.raises(TypeError):
+        torch._C._cuda_setCheckpointPoolState(d, state, ["not a pointer"], [])
+    live = {a.data_ptr(), b.data_ptr()}
+    assert torch._C._cuda_checkPoolLiveAllocations(d, pool.id, live)
+    torch._C._cuda_setCheckpointPoolState(d, state, [b.untyped_storage()._cdata], [])
+    assert torch._C._cuda_checkPoolLiveAllocations(d, pool.id, {a.data_ptr()})
+    del a, b, cpu, state
+    gc.collect()
+    del pool
+    gc.collect()
+
+
 def test_compile_reduce_overhead():
     import torch._inductor.config as icfg
     icfg.triton.slow_path_cudagraph_asserts = True

@@ -1,0 +1,181 @@
+// torch._C._cuda_setCheckpointPoolState under slotpool: what CUDA graph trees call at every branch
+// switch. slotpool_torch.install() puts set_checkpoint_pool_state in its place (PyTorch's own stays
+// reachable as slotpool_torch.torch_set_checkpoint_pool_state).
+//
+// PyTorch's binding asks the allocator for a CheckpointDelta (one owning DataPtr per allocation
+// live in the checkpoint, one pointer per allocation live before) and then builds four node-based
+// hash sets over it, one of them copied by value, to check the stale storages and hand out
+// deleters. At 10,000 live blocks that bookkeeping alone costs milliseconds, more than slotpool's
+// restore. This file does the same work on the restore's own sorted lists (GraphRestore): one
+// open-addressing set, merges of sorted lists, and a DataPtr only for a storage that takes one.
+//
+// Same contract as PyTorch's binding (torch/csrc/cuda/Module.cpp, PyTorch 2.11):
+//   1. stale storages are taken once each, in the caller's order;
+//   2. every pointer the restore frees for good (freed, not live in the checkpoint) has its stale
+//      storage: fewer stale storages than such pointers is an error;
+//   3. each stale storage's pointer was freed (by the restore, or a survivor: PyTorch lists those
+//      as freed too), and its deleter is the allocator's: it becomes deleteNothing;
+//   4. each storage in storages_to_add_deleters_to whose pointer is live in the checkpoint, and
+//      which has no deleter context, takes an owning DataPtr with the allocator's deleter (the
+//      last such storage of a pointer wins, as in PyTorch's map).
+// It checks more before it changes anything: a state that is not slotpool's, a stale storage with
+// a foreign deleter, or a storage to add a deleter to that already has one is refused before the
+// restore, so such a call changes nothing. The checks that need the restore's lists (2, 3) come
+// after it, as in PyTorch.
+#include "internal.h"
+
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace slotpool_torch {
+
+namespace {
+
+// A set of addresses: open addressing with linear probing in a power-of-two table at most half
+// full. Address 0 is the empty slot; a null pointer is kept apart. std::unordered_set allocates a
+// node per element, which is what makes PyTorch's version slow.
+class PtrSet {
+ public:
+  explicit PtrSet(size_t n) {
+    size_t cap = 16;
+    while (cap < 2 * n) {
+      cap *= 2;
+    }
+    slots_.assign(cap, 0);
+    mask_ = cap - 1;
+  }
+  // True if p was not in the set.
+  bool insert(const void* p) {
+    auto v = reinterpret_cast<uintptr_t>(p);
+    if (v == 0) {
+      bool fresh = !has_null_;
+      has_null_ = true;
+      return fresh;
+    }
+    for (size_t i = slot_of(v);; i = (i + 1) & mask_) {
+      if (slots_[i] == v) {
+        return false;
+      }
+      if (slots_[i] == 0) {
+        slots_[i] = v;
+        return true;
+      }
+    }
+  }
+  bool contains(const void* p) const {
+    auto v = reinterpret_cast<uintptr_t>(p);
+    if (v == 0) {
+      return has_null_;
+    }
+    for (size_t i = slot_of(v);; i = (i + 1) & mask_) {
+      if (slots_[i] == v) {
+        return true;
+      }
+      if (slots_[i] == 0) {
+        return false;
+      }
+    }
+  }
+
+ private:
+  size_t slot_of(uintptr_t v) const {
+    // Fibonacci hashing; allocations are at least 512-byte aligned, so the low bits carry nothing.
+    return static_cast<size_t>(((v >> 9) * 0x9E3779B97F4A7C15ull) >> 20) & mask_;
+  }
+  std::vector<uintptr_t> slots_;
+  size_t mask_ = 0;
+  bool has_null_ = false;
+};
+
+// Elements of sorted `a` that are not in sorted `b`.
+size_t count_not_in(const std::vector<void*>& a, const std::vector<void*>& b) {
+  size_t n = 0;
+  auto j = b.begin();
+  for (void* p : a) {
+    while (j != b.end() && *j < p) {
+      ++j;
+    }
+    if (j == b.end() || *j != p) {
+      n++;
+    }
+  }
+  return n;
+}
+
+}  // namespace
+
+void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
+                               const std::shared_ptr<CCA::AllocatorState>& state,
+                               const std::vector<c10::StorageImpl*>& stale_storages,
+                               const std::vector<c10::StorageImpl*>& storages_to_add_deleters_to) {  const c10::DeleterFnPtr ours = &slotpool_delete;
+
+  // (1) Each stale storage once, in order; a foreign deleter is refused before anything changes.
+  std::vector<c10::StorageImpl*> stale;
+  stale.reserve(stale_storages.size());
+  {
+    PtrSet seen(stale_storages.size());
+    for (c10::StorageImpl* s : stale_storages) {
+      TORCH_CHECK(s != nullptr, "slotpool: a null stale storage");
+      if (seen.insert(s)) {
+        TORCH_CHECK(s->data_ptr().get_deleter() == ours,
+                    "Unexpected deleter function on storage, could not swap function");
+        stale.push_back(s);
+      }
+    }
+  }
+  std::shared_ptr<CheckpointState> cp = graph_checkpoint_state(device, state);
+  const std::vector<void*>& live_after = cp->live;  // what the restore leaves live
+  // (4, before) The storages that take a deleter: the last one per pointer that is live in the
+  // checkpoint. Each must have no deleter context.
+  std::vector<c10::StorageImpl*> taking;
+  {
+    PtrSet seen(storages_to_add_deleters_to.size());
+    for (auto it = storages_to_add_deleters_to.rbegin(); it != storages_to_add_deleters_to.rend();
+         ++it) {
+      c10::StorageImpl* s = *it;
+      TORCH_CHECK(s != nullptr, "slotpool: a null storage to add a deleter to");
+      void* p = s->data_ptr().get();
+      if (seen.insert(p) && std::binary_search(live_after.begin(), live_after.end(), p)) {
+        TORCH_CHECK(s->data_ptr().get_context() == nullptr, " Not expecting deleter function");
+        taking.push_back(s);
+      }
+    }
+  }
+
+  GraphRestore r = a.restore_graph_state(std::move(cp));
+
+  // (2) Every pointer freed for good comes with its stale storage.
+  const size_t definitely_freed = count_not_in(r.freed, live_after);
+  TORCH_CHECK(stale.size() >= definitely_freed,
+              "Any stale tensors which are being manually freed must be passed to set checkpoint");
+
+  // (3) Stale storages point at freed memory; they lose their deleters.
+  if (!stale.empty()) {
+    PtrSet freed(r.freed.size() + live_after.size());
+    for (void* p : r.freed) {
+      freed.insert(p);
+    }
+    r.for_each_survivor([&](void* p) { freed.insert(p); });
+    for (c10::StorageImpl* s : stale) {
+      TORCH_CHECK(freed.contains(s->data_ptr().get()),
+                  "slotpool: a stale storage whose memory the restore did not free");
+    }
+    for (c10::StorageImpl* s : stale) {
+      TORCH_CHECK(s->mutable_data_ptr().compare_exchange_deleter(ours, &c10::detail::deleteNothing),
+                  "Unexpected deleter function on storage, could not swap function");
+    }
+  }
+
+  // (4) The storages found above take an owning DataPtr.
+  const c10::Device dev(c10::DeviceType::CUDA, device);
+  for (c10::StorageImpl* s : taking) {
+    void* p = s->data_ptr().get();
+    s->set_data_ptr_noswap(c10::DataPtr(p, p, ours, dev));
+  }
+}
+
+}  // namespace slotpool_torch
