@@ -331,8 +331,9 @@ impl Shard {
             self.stats.reserved_paused_bytes.dec(small, ps);
         }
         self.quick_off = pause.quick_off;
-        debug_assert!(self.host_spare.is_none(), "the backup took the spare");
+        // A backed-up pause took the spare buffer (`back_up`); a discarding one left it spare.
         if pause.host.is_some() {
+            debug_assert!(self.host_spare.is_none(), "the backup took the spare");
             self.host_spare = pause.host;
         }
     }
