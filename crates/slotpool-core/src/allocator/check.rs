@@ -41,7 +41,7 @@ impl<D: Device> Allocator<D> {
             }
             s.check_invariants(ps)
                 .map_err(|e| format!("shard {pool}/{stream}: invariant {e}"))?;
-            let reserved = s.stats.reserved_bytes.all().current as u64;
+            let reserved = s.stats().reserved_bytes.all().current as u64;
             allocated += s.counted_allocated();
             held += reserved;
             *per_pool.entry(pool).or_default() += reserved;
@@ -107,7 +107,7 @@ impl<D: Device> Allocator<D> {
         let mut out = String::new();
         for k in keys {
             let s = lock(&shards[&k].shard);
-            let _ = writeln!(out, "shard {}/{}: {:?}", k.0, k.1, s.stats);
+            let _ = writeln!(out, "shard {}/{}: {:?}", k.0, k.1, s.stats());
             let mut segs: Vec<_> = s.segments().collect();
             segs.sort_by_key(|(_, seg)| seg.addr);
             for (sid, seg) in segs {

@@ -83,7 +83,7 @@ impl<D: Device> Allocator<D> {
             s.flush_quick(&self.env(&c.pool_budget));
             s.add_mark(&token)
                 .map_err(|e| AllocError::InvalidState(Box::new(e)))?;
-            live += s.stats.allocation.all().current as usize;
+            live += s.stats().allocation.all().current as usize;
             let holder: Weak<dyn MarkHolder> = Arc::downgrade(c) as Weak<ShardCell>;
             marks.push((s.stream(), holder));
         }

@@ -391,7 +391,7 @@ impl<D: Device> Allocator<D> {
     pub fn mark_reusable(&self, ptr: DevicePtr) -> AllocResult<u64> {
         let r = self.with_owner(ptr, |cell, s| {
             let pool = s.pool();
-            if s.pause.is_some() {
+            if s.is_paused() {
                 // Its pages are not mapped: retention could not be recorded.
                 return Err((ShardError::Paused, pool));
             }

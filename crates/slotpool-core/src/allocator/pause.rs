@@ -2,6 +2,11 @@
 //! statistic stays, so that pointers held by the program and CUDA graphs captured on the pool stay
 //! valid; resuming maps new pages at the same addresses and copies a backup back.
 //!
+//! This module holds the pool-wide part: finding and locking the pool's shards, refusing what
+//! cannot be done, reclaiming other pools' cache before a resume gives up, and the results. Each
+//! shard's part (the pages it gives back, their backup, mapping them again, its record while
+//! paused: shard invariant 10) is the shard's own, in `shard/pause.rs`.
+//!
 //! Rules (docs/design.md, "Pause and resume"):
 //!
 //! - Only vmm memory can be paused: a classic segment (`cudaMalloc`) cannot give its memory back
@@ -28,12 +33,10 @@
 
 use crate::allocator::pools::PoolEntry;
 use crate::allocator::{Allocator, ShardRef, ShardTable, shards_of};
-use crate::block::{SegmentId, SegmentKind};
-use crate::device::{Device, DeviceError, HostBuffer};
-use crate::env::Env;
+use crate::device::Device;
 use crate::error::{AllocError, AllocResult};
 use crate::pool::PoolId;
-use crate::shard::{Shard, ShardError};
+use crate::shard::{PausePlan, Shard, ShardError};
 use crate::sync::lock;
 use rustc_hash::FxHashMap;
 
@@ -60,388 +63,6 @@ pub struct PauseState {
 impl PauseState {
     pub fn is_paused(&self) -> bool {
         self.mode.is_some()
-    }
-}
-
-/// One page given back by a pause.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct PausedPage {
-    pub seg: SegmentId,
-    pub page: usize,
-    /// Graph-retained when paused: retained again after the resume.
-    pub retained: bool,
-    /// Where the page's bytes lie in the shard's backup.
-    pub host_offset: u64,
-}
-
-/// A paused shard's record (shard invariant 10).
-#[derive(Debug, Default)]
-pub(crate) struct ShardPause {
-    /// `Shard::quick_off` before the pause.
-    quick_off: bool,
-    /// Sorted by (segment, page).
-    pages: Vec<PausedPage>,
-    /// The backup and its size.
-    host: Option<(HostBuffer, u64)>,
-}
-
-/// Runs of pages to copy or map: (segment, first page, pages, host offset of the first).
-type Run = (SegmentId, usize, usize, u64);
-
-/// Runs of consecutive pages of one segment whose host stretches follow each other too.
-fn runs_of(pages: &[PausedPage], ps: u64) -> Vec<Run> {
-    let mut out: Vec<Run> = Vec::new();
-    for p in pages {
-        match out.last_mut() {
-            Some((seg, first, n, off))
-                if *seg == p.seg
-                    && *first + *n == p.page
-                    && *off + *n as u64 * ps == p.host_offset =>
-            {
-                *n += 1
-            }
-            _ => out.push((p.seg, p.page, 1, p.host_offset)),
-        }
-    }
-    out
-}
-
-/// Give an unmapped physical page back to the driver (to the device's page pool if it refuses).
-fn give_back(env: &Env<'_>, h: crate::device::PageHandle) {
-    if env.dev.release_page(h).is_ok() {
-        env.budget.release(env.page_size());
-    } else {
-        env.pages.put(h);
-    }
-}
-
-impl Shard {
-    /// Bytes of this shard that a pause cannot give back: classic segments.
-    fn unpausable_bytes(&self) -> u64 {
-        self.segments()
-            .filter(|(_, s)| !s.is_vmm())
-            .map(|(_, s)| s.size)
-            .sum()
-    }
-
-    /// The pages mapped now, sorted by (segment, page), host offsets in that order.
-    fn mapped_pages(&self, ps: u64) -> Vec<PausedPage> {
-        let mut out = Vec::new();
-        let mut segs: Vec<SegmentId> = self.segments().map(|(id, _)| id).collect();
-        segs.sort_unstable();
-        for seg in segs {
-            let SegmentKind::Vmm(pt) = &self.segments[seg].kind else {
-                continue;
-            };
-            for page in 0..pt.handle.len() {
-                if pt.is_mapped(page) {
-                    out.push(PausedPage {
-                        seg,
-                        page,
-                        retained: pt.is_retained(page),
-                        host_offset: out.len() as u64 * ps,
-                    });
-                }
-            }
-        }
-        out
-    }
-
-    /// Copy `pages` to a pinned host buffer: the spare one of the last backup if it is large
-    /// enough, else a new one. On error nothing is held.
-    fn back_up(
-        &mut self,
-        env: &Env<'_>,
-        pages: &[PausedPage],
-    ) -> Result<Option<(HostBuffer, u64)>, DeviceError> {
-        let ps = env.page_size();
-        let size = pages.len() as u64 * ps;
-        if size == 0 {
-            return Ok(None);
-        }
-        let (buf, held) = match self.host_spare.take() {
-            Some((buf, held)) if held >= size => (buf, held),
-            spare => {
-                if let Some((old, _)) = spare {
-                    env.dev.free_host(old)?;
-                }
-                (env.dev.alloc_host(size)?, size)
-            }
-        };
-        for (seg, first, n, off) in runs_of(pages, ps) {
-            let addr = self.segments[seg].addr + first as u64 * ps;
-            if let Err(e) = env.dev.copy_to_host(buf, off, addr, n as u64 * ps) {
-                let _ = env.dev.free_host(buf);
-                return Err(e);
-            }
-        }
-        Ok(Some((buf, held)))
-    }
-
-    /// Pause this shard: unmap and give back `pages` (from [`Shard::mapped_pages`], the device
-    /// synchronised), keeping `host` as their backup. Returns the bytes that could not be
-    /// unmapped (a driver failure: they stay mapped and are not part of the pause).
-    fn pause_commit(
-        &mut self,
-        env: &Env<'_>,
-        pages: Vec<PausedPage>,
-        host: Option<(HostBuffer, u64)>,
-    ) -> u64 {
-        let ps = env.page_size();
-        self.flush_quick(env);
-        let mut kept = Vec::with_capacity(pages.len());
-        let mut unreleased = 0;
-        let mut i = 0;
-        while i < pages.len() {
-            let p = pages[i];
-            let small = self.segments[p.seg].small;
-            let run = match &self.segments[p.seg].kind {
-                SegmentKind::Vmm(pt) => pt.run_of(p.page),
-                SegmentKind::Classic => None,
-            };
-            // A run goes with one unmap and one release (its slots are all mapped, so all listed
-            // from its first on).
-            if let Some((first, r)) = run {
-                let n = (first + r.pages - p.page).min(pages.len() - i);
-                match self.release_run(env, p.seg, first) {
-                    Ok(bytes) => {
-                        self.stats.reserved_paused_bytes.inc(small, bytes as i64);
-                        kept.extend_from_slice(&pages[i..i + n]);
-                    }
-                    Err(_) => unreleased += r.pages as u64 * ps,
-                }
-                i += n;
-                continue;
-            }
-            // Slots mapped page by page next to each other: one unmap where the backend can.
-            let n = 1 + pages[i + 1..]
-                .iter()
-                .zip(&pages[i..])
-                .take_while(|&(b, a)| b.seg == a.seg && b.page == a.page + 1)
-                .take_while(|&(b, _)| {
-                    matches!(&self.segments[b.seg].kind, SegmentKind::Vmm(pt) if !pt.in_run(b.page))
-                })
-                .count();
-            if let Some(left) = self.unmap_stretch(env, p.seg, p.page, n) {
-                for h in left {
-                    give_back(env, h);
-                }
-                self.stats
-                    .reserved_paused_bytes
-                    .inc(small, (n as u64 * ps) as i64);
-                kept.extend_from_slice(&pages[i..i + n]);
-                i += n;
-                continue;
-            }
-            for &q in &pages[i..i + n] {
-                // A page mapped at several slots (an alias, see `alias.rs`) leaves with its last
-                // slot; each slot is resumed with a page of its own.
-                match self.unmap_page(env, q.seg, q.page) {
-                    Ok(left) => {
-                        if let Some(h) = left {
-                            give_back(env, h);
-                        }
-                        self.stats.reserved_paused_bytes.inc(small, ps as i64);
-                        kept.push(q);
-                    }
-                    Err(_) => unreleased += ps,
-                }
-            }
-            i += n;
-        }
-        self.pause = Some(Box::new(ShardPause {
-            quick_off: self.quick_off,
-            pages: kept,
-            host,
-        }));
-        self.quick_off = true;
-        unreleased
-    }
-
-    /// Map new memory under every paused page, each stretch of consecutive slots as physical
-    /// runs ([`Shard::map_runs`]), retained slots retained again. On error nothing stays mapped.
-    fn resume_map(&mut self, env: &Env<'_>) -> Result<(), ShardError> {
-        let ps = env.page_size();
-        let Some(pause) = self.pause.take() else {
-            return Ok(());
-        };
-        let mut result = Ok(());
-        for (seg, first, n, _) in runs_of(&pause.pages, ps) {
-            if let Err(e) = self.map_runs(env, seg, first, n) {
-                result = Err(e);
-                break;
-            }
-        }
-        if result.is_ok() {
-            for p in pause.pages.iter().filter(|p| p.retained) {
-                Shard::retain_pages_of(&mut self.segments[p.seg], p.page, p.page + 1);
-            }
-        }
-        self.pause = Some(pause);
-        if result.is_err() {
-            self.resume_undo(env);
-        }
-        result
-    }
-
-    /// Undo [`Shard::resume_map`]: unmap and give back every paused page mapped now (a run
-    /// whole).
-    fn resume_undo(&mut self, env: &Env<'_>) {
-        let Some(pause) = self.pause.take() else {
-            return;
-        };
-        for p in &pause.pages {
-            let (mapped, run) = match &self.segments[p.seg].kind {
-                SegmentKind::Vmm(pt) => (pt.is_mapped(p.page), pt.run_of(p.page)),
-                SegmentKind::Classic => (false, None),
-            };
-            if let Some((first, _)) = run {
-                let _ = self.release_run(env, p.seg, first);
-            } else if mapped && let Ok(Some(h)) = self.unmap_page(env, p.seg, p.page) {
-                give_back(env, h);
-            }
-        }
-        self.pause = Some(pause);
-    }
-
-    /// Copy the backup back over the pages [`Shard::resume_map`] mapped.
-    fn resume_copy(&self, env: &Env<'_>) -> Result<(), DeviceError> {
-        let ps = env.page_size();
-        let Some(pause) = &self.pause else {
-            return Ok(());
-        };
-        let Some((buf, _)) = pause.host else {
-            return Ok(());
-        };
-        for (seg, first, n, off) in runs_of(&pause.pages, ps) {
-            let addr = self.segments[seg].addr + first as u64 * ps;
-            env.dev.copy_from_host(addr, buf, off, n as u64 * ps)?;
-        }
-        Ok(())
-    }
-
-    /// The resume is done: forget the pause; its backup's buffer stays for the next one.
-    fn resume_commit(&mut self, env: &Env<'_>) {
-        let ps = env.page_size() as i64;
-        let Some(pause) = self.pause.take() else {
-            return;
-        };
-        for p in &pause.pages {
-            let small = self.segments[p.seg].small;
-            self.stats.reserved_paused_bytes.dec(small, ps);
-        }
-        self.quick_off = pause.quick_off;
-        debug_assert!(self.host_spare.is_none(), "the backup took the spare");
-        if pause.host.is_some() {
-            self.host_spare = pause.host;
-        }
-    }
-
-    /// Forget the pause of a shard that holds no live block (its pool is released): the
-    /// paused pages stop counting as reserved, the backup is freed (kept as the spare buffer,
-    /// freed by the next empty-cache, if the backend refuses).
-    fn abandon_pause(&mut self, env: &Env<'_>) {
-        let ps = env.page_size() as i64;
-        let Some(pause) = self.pause.take() else {
-            return;
-        };
-        for p in &pause.pages {
-            let small = self.segments[p.seg].small;
-            self.stats.reserved_paused_bytes.dec(small, ps);
-        }
-        self.quick_off = pause.quick_off;
-        if let Some((buf, n)) = pause.host
-            && env.dev.free_host(buf).is_err()
-        {
-            tracing::warn!("a released paused pool's backup could not be freed");
-            if let Some((old, _)) = self.host_spare.replace((buf, n)) {
-                let _ = env.dev.free_host(old);
-            }
-        }
-    }
-
-    /// (paused bytes, host bytes: the backup and the spare buffer) of this shard.
-    fn pause_bytes(&self, ps: u64) -> (u64, u64) {
-        let spare = self.host_spare.map_or(0, |(_, n)| n);
-        self.pause.as_ref().map_or((0, spare), |p| {
-            (
-                p.pages.len() as u64 * ps,
-                spare + p.host.map_or(0, |(_, n)| n),
-            )
-        })
-    }
-
-    /// Whether page `page` of segment `seg` is paused.
-    pub(crate) fn is_paused_page(&self, seg: SegmentId, page: usize) -> bool {
-        self.pause.as_ref().is_some_and(|p| {
-            p.pages
-                .binary_search_by_key(&(seg, page), |q| (q.seg, q.page))
-                .is_ok()
-        })
-    }
-
-    /// Shard invariant 10.
-    pub(crate) fn check_pause(&self, page_size: u64) -> Result<(), String> {
-        let mut recount = crate::stats::StatArray::default();
-        if let Some(p) = &self.pause {
-            if !self.quick.is_empty() || !self.quick_off {
-                return Err("10: a paused shard has a quick cache".into());
-            }
-            if p.pages
-                .windows(2)
-                .any(|w| (w[0].seg, w[0].page) >= (w[1].seg, w[1].page))
-            {
-                return Err("10: paused pages are not sorted and distinct".into());
-            }
-            for q in &p.pages {
-                let seg = self
-                    .segments
-                    .get(q.seg)
-                    .ok_or(format!("10: paused page in missing segment {}", q.seg))?;
-                let SegmentKind::Vmm(pt) = &seg.kind else {
-                    return Err(format!("10: paused page in classic segment {}", q.seg));
-                };
-                if (q.page as u64 + 1) * page_size > seg.size || pt.is_mapped(q.page) {
-                    return Err(format!(
-                        "10: paused page {} of segment {} is out of range or mapped",
-                        q.page, q.seg
-                    ));
-                }
-                if let Some((_, size)) = p.host
-                    && q.host_offset + page_size > size
-                {
-                    return Err(format!("10: paused page {} lies past the backup", q.page));
-                }
-                recount.inc(seg.small, page_size as i64);
-            }
-            if p.host.is_some() {
-                let mut offs: Vec<u64> = p.pages.iter().map(|q| q.host_offset).collect();
-                offs.sort_unstable();
-                if offs.windows(2).any(|w| w[1] < w[0] + page_size) {
-                    return Err("10: paused pages share backup bytes".into());
-                }
-            }
-        }
-        let have = &self.stats.reserved_paused_bytes;
-        for (part, h, w) in [
-            (
-                "small_pool",
-                have.small_pool().current,
-                recount.small_pool().current,
-            ),
-            (
-                "large_pool",
-                have.large_pool().current,
-                recount.large_pool().current,
-            ),
-        ] {
-            if h != w {
-                return Err(format!(
-                    "10: reserved_paused_bytes.{part}.current is {h}, recount {w}"
-                ));
-            }
-        }
-        Ok(())
     }
 }
 
@@ -488,34 +109,24 @@ impl<D: Device> Allocator<D> {
         // Synchronous: nothing queued may touch a page once it is unmapped.
         self.dev.synchronize()?;
         let ps = self.shared.page_size;
-        let plans: Vec<_> = guards.iter().map(|s| s.mapped_pages(ps)).collect();
-        let mut backups = Vec::with_capacity(cells.len());
+        let mut plans: Vec<PausePlan> = guards.iter().map(|s| s.pause_plan(ps)).collect();
         if mode == PauseMode::Backup {
-            for ((cell, s), pages) in cells.iter().zip(guards.iter_mut()).zip(&plans) {
-                match s.back_up(&self.env(&cell.pool_budget), pages) {
-                    Ok(b) => backups.push(b),
-                    Err(e) => {
-                        for (buf, _) in backups.into_iter().flatten() {
-                            let _ = self.dev.free_host(buf);
-                        }
-                        return Err(e.into());
-                    }
+            let failed = cells
+                .iter()
+                .zip(guards.iter_mut())
+                .zip(plans.iter_mut())
+                .find_map(|((cell, s), plan)| s.back_up(&self.env(&cell.pool_budget), plan).err());
+            if let Some(e) = failed {
+                // The failed shard's plan holds nothing; the backups taken before it go.
+                for plan in plans {
+                    plan.free_backup(&*self.dev);
                 }
+                return Err(e.into());
             }
-        } else {
-            backups.resize(cells.len(), None);
         }
         let mut unreleased = 0;
-        for ((cell, s), (pages, host)) in cells
-            .iter()
-            .zip(guards.iter_mut())
-            .zip(plans.into_iter().zip(backups))
-        {
-            let env = self.env(&cell.pool_budget);
-            // The device is synchronised: frees waiting on events complete now.
-            s.synchronize_events(&env);
-            s.device_synchronized(&env);
-            unreleased += s.pause_commit(&env, pages, host);
+        for ((cell, s), plan) in cells.iter().zip(guards.iter_mut()).zip(plans) {
+            unreleased += s.pause_commit(&self.env(&cell.pool_budget), plan);
         }
         entry.paused = Some(mode);
         let mut state = PauseState {
@@ -699,6 +310,6 @@ impl<D: Device> Allocator<D> {
 /// The shards of `pool` in stream order: the order their locks are taken in.
 fn by_stream(table: &ShardTable, pool: PoolId) -> Vec<ShardRef> {
     let mut cells = shards_of(table, pool);
-    cells.sort_by_key(|c| lock(&c.shard).stream);
+    cells.sort_by_key(|c| lock(&c.shard).stream());
     cells
 }

@@ -41,7 +41,7 @@ impl<D: Device> Allocator<D> {
                             addr: b.addr,
                             size: b.size,
                             requested: b.requested,
-                            stream: s.stream,
+                            stream: s.stream(),
                         }),
                 );
             }

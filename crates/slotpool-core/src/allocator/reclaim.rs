@@ -112,10 +112,10 @@ impl<D: Device> Allocator<D> {
             (arena_allocated, arena_reserved, arena_allocated);
         for (&(pool, _), cell) in self.all_shards().iter() {
             let s = lock(&cell.shard);
-            let shard_allocated = s.stats.allocated_bytes.all().current as u64;
+            let shard_allocated = s.stats().allocated_bytes.all().current as u64;
             allocated += shard_allocated;
             if !pool.is_default() {
-                private_reserved += s.stats.reserved_bytes.all().current as u64;
+                private_reserved += s.stats().reserved_bytes.all().current as u64;
                 private_allocated += shard_allocated;
             }
         }

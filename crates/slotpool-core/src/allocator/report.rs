@@ -54,7 +54,7 @@ impl<D: Device> Allocator<D> {
             ..Default::default()
         };
         for cell in self.all_shards().values() {
-            out.merge(&lock(&cell.shard).stats);
+            out.merge(lock(&cell.shard).stats());
         }
         self.merge_arena_stats(&mut out, None);
         out.num_alloc_retries += self.num_alloc_retries.load(Ordering::Relaxed);
@@ -71,7 +71,7 @@ impl<D: Device> Allocator<D> {
     pub fn allocated_bytes(&self) -> u64 {
         let shards: u64 = lock(&self.shards)
             .values()
-            .map(|c| lock(&c.shard).stats.allocated_bytes.all().current as u64)
+            .map(|c| lock(&c.shard).stats().allocated_bytes.all().current as u64)
             .sum();
         shards + self.arena_allocated_bytes()
     }
@@ -83,7 +83,7 @@ impl<D: Device> Allocator<D> {
         }
         let mut out = MemoryStats::default();
         for cell in self.pool_shards(pool) {
-            out.merge(&lock(&cell.shard).stats);
+            out.merge(lock(&cell.shard).stats());
         }
         self.merge_arena_stats(&mut out, Some(pool));
         Ok(out)
@@ -93,7 +93,7 @@ impl<D: Device> Allocator<D> {
     pub fn reset_peak_stats(&self) {
         for cell in self.all_shards().values() {
             let mut s = lock(&cell.shard);
-            s.stats.reset_peak();
+            s.reset_peak_stats();
             // The device-wide counter restarts from the exact allocated bytes.
             s.settle_credit(&self.env(&cell.pool_budget));
         }
@@ -105,7 +105,7 @@ impl<D: Device> Allocator<D> {
     /// `reset_accumulated_memory_stats`.
     pub fn reset_accumulated_stats(&self) {
         for cell in self.all_shards().values() {
-            lock(&cell.shard).stats.reset_accumulated();
+            lock(&cell.shard).reset_accumulated_stats();
         }
         self.arena_stats_mut(MemoryStats::reset_accumulated);
         self.num_alloc_retries.store(0, Ordering::Relaxed);
@@ -205,12 +205,12 @@ impl<D: Device> Allocator<D> {
                         .collect();
                     out.push(SegmentSnapshot {
                         pool: s.pool(),
-                        stream: s.stream,
+                        stream: s.stream(),
                         addr: lo,
                         size: hi - lo,
                         small: seg.small,
                         vmm: seg.is_vmm(),
-                        paused: s.pause.is_some(),
+                        paused: s.is_paused(),
                         blocks: clipped,
                     });
                 }

@@ -100,7 +100,7 @@ impl<D: Device> Allocator<D> {
             let mut s = lock(&cell.shard);
             // A live checkpoint's shard stays: restoring it needs its marks; so does one that
             // keeps a pinned backup buffer for its pool's next pause.
-            if !s.is_empty() || s.has_live_mark() || s.host_spare.is_some() {
+            if !s.is_empty() || s.has_live_mark() || s.keeps_host_spare() {
                 return true;
             }
             s.retire(&self.env(&cell.pool_budget));

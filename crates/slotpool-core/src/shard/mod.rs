@@ -6,6 +6,7 @@ mod check;
 mod checkpoint;
 mod free;
 mod pages;
+mod pause;
 mod quick;
 mod release;
 mod runs;
@@ -28,6 +29,7 @@ use crate::policy::SizePolicy;
 use crate::pool::PoolId;
 use crate::stats::MemoryStats;
 use checkpoint::{Mark, RestoreScratch};
+pub(crate) use pause::PausePlan;
 
 /// Why a shard operation failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,7 +97,7 @@ pub struct Released {
 ///    `QUICK_MAX` of them; they have no events or stream uses, count as live for their vmm
 ///    pages (6) and as inactive for the statistics (7), and there are none while a checkpoint is
 ///    alive.
-/// 10. Paused (`pause` is set, see `pause.rs`): the pause lists each paused page once, in a vmm
+/// 10. Paused (`pause` is set, see `shard/pause.rs`): the pause lists each paused page once, in a vmm
 ///     segment, unmapped, with its own stretch of the host backup if there is one; the quick
 ///     cache is empty and off; `reserved_paused_bytes` counts the listed pages. Not paused:
 ///     `reserved_paused_bytes` is 0.
@@ -107,16 +109,15 @@ pub struct Released {
 ///     overlap; each slot of a run is mapped to its own tag, never an alias; no other slot holds
 ///     a tag.
 ///
-/// The fields are the shard's own (its children in `shard/` read them), except the seven that
-/// the pause code reads too: it lives with the allocator's pause calls in
-/// `allocator/pause.rs`, shard methods included.
+/// The fields are the shard's own: its children in `shard/` read them, everything else goes
+/// through methods.
 #[derive(Debug)]
 pub struct Shard {
     pool: PoolId,
-    pub(crate) stream: StreamId,
+    stream: StreamId,
     no_split: bool,
     blocks: BlockSlab,
-    pub(crate) segments: IdSlab<Segment>,
+    segments: IdSlab<Segment>,
     free_small: FreeIndex,
     free_large: FreeIndex,
     /// Cross-stream events that `PendingFree` blocks wait on, oldest first.
@@ -147,10 +148,10 @@ pub struct Shard {
     /// exactly a cached size takes one back without touching the free index, the slab or the
     /// vmm page counts, which is most of an alloc + free pair's cost. Anything that needs the
     /// cache merged (growth, releasing memory, a checkpoint) calls [`Shard::flush_quick`] first.
-    pub(crate) quick: Vec<(u64, BlockId)>,
+    quick: Vec<(u64, BlockId)>,
     /// No quick cache in this shard: it was created while a checkpoint of its pool was alive,
     /// so a restore may wipe it, and its plan knows only free and live blocks.
-    pub(crate) quick_off: bool,
+    quick_off: bool,
     /// Whether the quick cache pays here: a hit adds 2 (up to [`QUICK_CREDIT_MAX`]), a miss
     /// takes 1, and frees are cached only while it is positive. Below zero, each free counts it
     /// further down, and at `-QUICK_PROBE_EVERY` one free is cached again to probe. A workload
@@ -167,11 +168,11 @@ pub struct Shard {
     /// The pool is pausable: every segment grows as vmm memory ([`crate::PoolOptions::pausable`]).
     pausable: bool,
     /// Set while the pool is paused: what the resume maps again (`pause.rs`).
-    pub(crate) pause: Option<Box<crate::pause::ShardPause>>,
+    pause: Option<Box<pause::ShardPause>>,
     /// The pinned host buffer of the last backup, kept for the next one (pinning memory costs
     /// far more than copying it); freed with the rest of the cache by `release_cached`.
-    pub(crate) host_spare: Option<(crate::device::HostBuffer, u64)>,
-    pub(crate) stats: MemoryStats,
+    host_spare: Option<(crate::device::HostBuffer, u64)>,
+    stats: MemoryStats,
 }
 
 /// A shard and the budget of the pool it belongs to. Aligned to two cache lines (what x86's
@@ -277,6 +278,16 @@ impl Shard {
 
     pub fn stats(&self) -> &MemoryStats {
         &self.stats
+    }
+
+    /// `reset_peak_memory_stats` for this shard: its peaks restart from the current values.
+    pub(crate) fn reset_peak_stats(&mut self) {
+        self.stats.reset_peak();
+    }
+
+    /// `reset_accumulated_memory_stats` for this shard: its totals and event counters go to 0.
+    pub(crate) fn reset_accumulated_stats(&mut self) {
+        self.stats.reset_accumulated();
     }
 
     /// Whether segments came or went since [`Shard::take_segment_changes`] last ran.
