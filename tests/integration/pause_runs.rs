@@ -346,3 +346,50 @@ fn a_resume_reclaims_what_other_pools_cache_before_it_gives_up() {
     alloc.free(kv).unwrap();
     checked(&dev, &alloc);
 }
+
+/// A pause whose runs add up to 8 GiB or more gives them back on two threads (`free_runs` in
+/// `shard/runs.rs`): every run is released exactly once, the device and the budget agree, and a
+/// release the driver refuses leaves a stray run that the next empty-cache gives back.
+#[test]
+fn a_large_pause_releases_its_runs_on_two_threads_and_loses_none() {
+    let (dev, alloc) = setup_paged(GrowthMode::Vmm, 24 << 30, None);
+    let pool = alloc.named_pool("kv", pausable()).unwrap();
+    let blocks: Vec<u64> = (0..5)
+        .map(|_| alloc.alloc_in(pool, 2 << 30, 0).unwrap())
+        .collect();
+    // The first pause gives back pages mapped one by one; the resume maps runs.
+    alloc.pause_pool(pool, PauseMode::Discard).unwrap();
+    checked(&dev, &alloc);
+    alloc.resume_pool(pool).unwrap();
+    checked(&dev, &alloc);
+    let runs = dev.run_count() as u64;
+    assert!(runs >= 2, "{runs} runs");
+    let held = alloc.held_bytes();
+    let (_, n) = calls_during(&dev, &[CallKind::ReleasePage], || {
+        alloc.pause_pool(pool, PauseMode::Discard).unwrap()
+    });
+    assert_eq!(n, vec![runs], "one release per run");
+    assert_eq!(dev.run_count(), 0);
+    assert!(alloc.held_bytes() + (10 << 30) <= held, "10 GiB given back");
+    checked(&dev, &alloc);
+    // One release refused, on whichever thread makes it: that run stays held, counted by the
+    // device and the budget alike, until the next empty-cache.
+    alloc.resume_pool(pool).unwrap();
+    checked(&dev, &alloc);
+    dev.inject_oom(CallKind::ReleasePage, 2);
+    alloc.pause_pool(pool, PauseMode::Discard).unwrap();
+    checked(&dev, &alloc);
+    assert_eq!(dev.run_count(), 1, "the refused run is still held");
+    alloc.empty_cache();
+    checked(&dev, &alloc);
+    assert_eq!(dev.run_count(), 0, "empty_cache gave the stray run back");
+    // The pool works after all that.
+    alloc.resume_pool(pool).unwrap();
+    fill_probes(&dev, blocks[4], 2 << 30, 9);
+    verify_probes(&dev, blocks[4], 2 << 30, 9).unwrap();
+    for p in blocks {
+        alloc.free(p).unwrap();
+    }
+    alloc.empty_cache();
+    checked(&dev, &alloc);
+}
