@@ -10,6 +10,7 @@
 //   * cuMemMap at a nonzero offset into a run, and cuMemUnmap of part of a run's mapping;
 //   * runs of 8 GiB; a pause that releases every handle first and then unmaps the range once;
 //     a pause spread over 2, 4 or 8 threads (is the driver's release serialised?);
+//   * what cuMemGetInfo costs;
 //   * copy bandwidth device <-> pinned host: one call of the whole size, 256 MiB chunks on one
 //     stream, and on two streams; the cost of pinning the buffer with cuMemHostAlloc against
 //     mmap + MADV_HUGEPAGE + cuMemHostRegister.
@@ -240,6 +241,20 @@ int main() {
   cuDeviceGetName(name, sizeof name, d);
   printf("{\"probe\": \"vmm_runs\", \"device\": \"%s\", \"driver\": %d, \"granularity\": %zu, "
          "\"page\": %zu}\n", name, drv, gran, PAGE);
+
+  // What cuMemGetInfo costs (an allocator that asks it before growing pays this each time).
+  {
+    std::vector<double> us;
+    for (int i = 0; i < 21; i++) {
+      size_t f = 0, t = 0;
+      auto t0 = clk::now();
+      CK(cuMemGetInfo(&f, &t));
+      us.push_back(ms_since(t0) * 1e3);
+    }
+    std::sort(us.begin(), us.end());
+    printf("{\"probe\": \"vmm_runs\", \"mem_get_info_us_median\": %.1f, \"max\": %.1f}\n",
+           us[us.size() / 2], us.back());
+  }
 
   // Offsets and partial unmaps, on a run of 4 pages.
   {
