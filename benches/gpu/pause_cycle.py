@@ -3,6 +3,7 @@
 bandwidth of the same run.
 
 usage: python3 benches/gpu/pause_cycle.py [--scale F] [--sizes 1,10,40] [--out DIR]
+                                         [--parts cycle,native,times,tms] [--modes discard,backup]
        (after ./benches/gpu/prepare.sh here; DIR defaults to $OUT, else /tmp/slotpool-pause)
 
 Parts (each in its own process; results in DIR/pause_cycle.json, the table last on stdout):
@@ -270,7 +271,7 @@ def copy_bandwidth(torch, nbytes):
     return dtoh, htod
 
 
-def child_times(sizes):
+def child_times(sizes, modes=(False, True)):
     import torch
 
     import slotpool_torch as sp
@@ -285,7 +286,7 @@ def child_times(sizes):
             parts = [torch.ones(min(nbytes - i, 1 << 30), dtype=torch.uint8, device="cuda")
                      for i in range(0, nbytes, 1 << 30)]
         torch.cuda.synchronize()
-        for backup in (False, True):
+        for backup in modes:
             for p in parts:  # a discard cycle before this one left its pages undefined
                 p.fill_(1)
             pauses, resumes, calls = [], [], []
@@ -327,7 +328,7 @@ def child_times(sizes):
     return {"part": "times", "ok": ok, "rows": rows}
 
 
-def child_tms(sizes):
+def child_tms(sizes, modes=(False, True)):
     import torch
     import torch_memory_saver as tms_mod
 
@@ -338,7 +339,7 @@ def child_tms(sizes):
     rows = []
     for gb in sizes:
         nbytes = int(gb * GB)
-        for backup in (False, True):
+        for backup in modes:
             tag = f"t{gb}_{int(backup)}"
             with saver.region(tag=tag, enable_cpu_backup=backup):
                 parts = [torch.ones(min(nbytes - i, 1 << 30), dtype=torch.uint8, device="cuda")
@@ -366,10 +367,10 @@ def child_main(argv):
             res = child_cycle(float(argv[1]), float(argv[2]))
         elif part == "native":
             res = child_native(float(argv[1]), float(argv[2]))
-        elif part == "times":
-            res = child_times([float(s) for s in argv[1].split(",")])
-        elif part == "tms":
-            res = child_tms([float(s) for s in argv[1].split(",")])
+        elif part in ("times", "tms"):
+            sizes = [float(s) for s in argv[1].split(",")]
+            modes = tuple(m == "backup" for m in argv[2].split(","))
+            res = (child_times if part == "times" else child_tms)(sizes, modes)
         else:
             res = {"part": part, "ok": False, "error": "unknown part"}
     except Exception as e:  # noqa: BLE001 - reported, never fatal
@@ -390,7 +391,10 @@ def main():
     ap.add_argument("--scale", type=float, default=1.0, help="model sizes x this (1: 20+10 GB)")
     ap.add_argument("--sizes", default="1,10,40", help="pool sizes for the times, GB")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/slotpool-pause"))
+    ap.add_argument("--parts", default="cycle,native,times,tms", help="which parts to run")
+    ap.add_argument("--modes", default="discard,backup", help="times and tms: without / with backup")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     os.makedirs(args.out, exist_ok=True)
     # The memory limit: twice the model, so that the training step needs the paused memory.
     import torch
@@ -402,16 +406,21 @@ def main():
         print(json.dumps(r)[:4000], flush=True)  # as each part ends: a cut-off run keeps these
         return r
 
-    results = [part("cycle", [str(args.scale), str(fraction)]),
-               part("native", [str(args.scale), str(fraction)]),
-               part("times", [args.sizes])]
+    results = []
+    for name in ("cycle", "native"):
+        if name in parts:
+            results.append(part(name, [str(args.scale), str(fraction)]))
+    if "times" in parts:
+        results.append(part("times", [args.sizes, args.modes]))
     wheels = sorted(glob.glob(os.path.join(REPO, ".whl", "torch_memory_saver*.whl")))
-    if wheels:
+    if "tms" not in parts:
+        pass
+    elif wheels:
         target = tempfile.mkdtemp(prefix="tms_")
         pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
                               "--target", target, wheels[-1]], capture_output=True, text=True)
         if pip.returncode == 0:
-            results.append(part("tms", [args.sizes], extra_path=target))
+            results.append(part("tms", [args.sizes, args.modes], extra_path=target))
         else:
             results.append({"part": "tms", "ok": False, "error": pip.stderr[-2000:]})
     else:

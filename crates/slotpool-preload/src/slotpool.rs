@@ -47,6 +47,7 @@ use crate::codes::{
     AllocOutcome, FreeOutcome, SP_ERR_INVALID_STATE, SP_OK, alloc_outcome, free_outcome,
 };
 use crate::report;
+use slotpool_abi::sp_segment_view;
 
 /// Environment variable: an explicit path of `libslotpool.so`.
 pub const ENV_LIBRARY: &str = slotpool_abi::env::LIBRARY;
@@ -128,8 +129,10 @@ type SpLastErrorMessage = unsafe extern "C" fn() -> *const c_char;
 type SpAlloc = unsafe extern "C" fn(c_int, usize, u64, *mut *mut c_void) -> c_int;
 type SpFree = unsafe extern "C" fn(*mut c_void) -> c_int;
 type SpRecordStream = unsafe extern "C" fn(*mut c_void, u64) -> c_int;
-type SpSnapshotJson = unsafe extern "C" fn(c_int, *mut *mut c_char, *mut usize) -> c_int;
-type SpStringFree = unsafe extern "C" fn(*mut c_char) -> c_int;
+type SpSnapshotTake = unsafe extern "C" fn(c_int, c_int, *mut *mut c_void) -> c_int;
+type SpSnapshotFree = unsafe extern "C" fn(*mut c_void) -> c_int;
+type SpSnapshotSegmentCount = unsafe extern "C" fn(*const c_void) -> usize;
+type SpSnapshotSegment = unsafe extern "C" fn(*const c_void, usize, *mut sp_segment_view) -> c_int;
 type SpMemoryPeaks = unsafe extern "C" fn(c_int, *mut u64, *mut u64) -> c_int;
 type SpEnablePeerAccess = unsafe extern "C" fn(c_int, c_int) -> c_int;
 type SpSimWrite = unsafe extern "C" fn(c_int, *mut c_void, *const c_void, usize) -> c_int;
@@ -159,8 +162,13 @@ pub struct Slotpool {
     free: SpFree,
     record_stream: SpRecordStream,
     allocation_info: SpAllocationInfo,
-    snapshot_json: SpSnapshotJson,
-    string_free: SpStringFree,
+    /// `sp_snapshot_take`, `_segment_count`, `_segment` and `_free`: the typed snapshot.
+    snapshot: (
+        SpSnapshotTake,
+        SpSnapshotSegmentCount,
+        SpSnapshotSegment,
+        SpSnapshotFree,
+    ),
     memory_peaks: SpMemoryPeaks,
     /// Absent from a `libslotpool.so` older than this library: peer grants then stop at CUDA.
     enable_peer_access: Option<SpEnablePeerAccess>,
@@ -314,18 +322,22 @@ impl Slotpool {
                 return false;
             }
         }
-        let mut json: *mut c_char = std::ptr::null_mut();
-        let mut len = 0usize;
-        // SAFETY: valid out-pointers; -1 is every device.
-        if unsafe { (self.snapshot_json)(-1, &mut json, &mut len) } != SP_OK || json.is_null() {
+        let (take, count, segment, free) = self.snapshot;
+        let mut snap: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; -1 is every device, 0 no history.
+        if unsafe { take(-1, 0, &mut snap) } != SP_OK || snap.is_null() {
             return false;
         }
-        // SAFETY: sp_snapshot_json returned a NUL-terminated string of `len` bytes, owned by us
-        // until sp_string_free below.
-        let text = unsafe { std::slice::from_raw_parts(json.cast::<u8>(), len) };
-        let found = contains_address(text, ptr);
-        // SAFETY: the string came from sp_snapshot_json and is freed once.
-        unsafe { (self.string_free)(json) };
+        // SAFETY: `snap` is the live snapshot just taken.
+        let n = unsafe { count(snap) };
+        let found = (0..n).any(|i| {
+            let mut view = sp_segment_view::default();
+            // SAFETY: `snap` is live, `i` below its count and `view` a valid out-pointer.
+            let status = unsafe { segment(snap, i, &mut view) };
+            status == SP_OK && view.address == ptr as u64
+        });
+        // SAFETY: the snapshot came from sp_snapshot_take and is freed once.
+        unsafe { free(snap) };
         found
     }
 
@@ -597,14 +609,18 @@ fn start() -> Result<Slotpool, String> {
         .to_string_lossy()
         .into_owned();
     // SAFETY: see above.
-    let (alloc, free, record_stream, allocation_info, snapshot_json, string_free, memory_peaks) = unsafe {
+    let (alloc, free, record_stream, allocation_info, snapshot, memory_peaks) = unsafe {
         (
             symbol(h, c"sp_alloc")?,
             symbol(h, c"sp_free")?,
             symbol(h, c"sp_record_stream")?,
             symbol(h, c"sp_allocation_info")?,
-            symbol(h, c"sp_snapshot_json")?,
-            symbol(h, c"sp_string_free")?,
+            (
+                symbol(h, c"sp_snapshot_take")?,
+                symbol(h, c"sp_snapshot_segment_count")?,
+                symbol(h, c"sp_snapshot_segment")?,
+                symbol(h, c"sp_snapshot_free")?,
+            ),
             symbol(h, c"sp_memory_peaks")?,
         )
     };
@@ -619,8 +635,7 @@ fn start() -> Result<Slotpool, String> {
         free,
         record_stream,
         allocation_info,
-        snapshot_json,
-        string_free,
+        snapshot,
         memory_peaks,
         // SAFETY: see above.
         enable_peer_access: unsafe { symbol(h, c"sp_enable_peer_access") }.ok(),
@@ -631,41 +646,4 @@ fn start() -> Result<Slotpool, String> {
             None
         },
     })
-}
-
-/// True if the snapshot JSON `text` has a segment or block whose `"address"` is `ptr`.
-fn contains_address(text: &[u8], ptr: usize) -> bool {
-    let key = b"\"address\":";
-    let want = ptr.to_string();
-    let mut rest = text;
-    while let Some(i) = find(rest, key) {
-        rest = &rest[i + key.len()..];
-        let value = rest.trim_ascii_start();
-        let digits = value.iter().take_while(|b| b.is_ascii_digit()).count();
-        if &value[..digits] == want.as_bytes() {
-            return true;
-        }
-    }
-    false
-}
-
-/// The first index of `needle` in `hay`.
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn snapshot_addresses() {
-        let json = br#"{"segments":[{"device":0,"address":4096,"total_size":2097152,"blocks":[{"address":4096,"size":512},{"address": 4608,"size":512}]}],"device_traces":[[]]}"#;
-        assert!(contains_address(json, 4096));
-        assert!(contains_address(json, 4608));
-        assert!(!contains_address(json, 409));
-        assert!(!contains_address(json, 40960));
-        assert!(!contains_address(json, 2097152), "a size is not an address");
-        assert!(!contains_address(b"", 1));
-    }
 }
