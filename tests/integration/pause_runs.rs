@@ -347,11 +347,11 @@ fn a_resume_reclaims_what_other_pools_cache_before_it_gives_up() {
     checked(&dev, &alloc);
 }
 
-/// A pause whose runs add up to 8 GiB or more gives them back on two threads (`free_runs` in
-/// `shard/runs.rs`): every run is released exactly once, the device and the budget agree, and a
-/// release the driver refuses leaves a stray run that the next empty-cache gives back.
+/// A pause of 10 GiB of runs: every run is released exactly once, the device and the budget
+/// agree, and a release the driver refuses leaves a stray run that the next empty-cache gives
+/// back.
 #[test]
-fn a_large_pause_releases_its_runs_on_two_threads_and_loses_none() {
+fn a_large_pause_releases_each_run_once_and_loses_none() {
     let (dev, alloc) = setup_paged(GrowthMode::Vmm, 24 << 30, None);
     let pool = alloc.named_pool("kv", pausable()).unwrap();
     let blocks: Vec<u64> = (0..5)
@@ -372,8 +372,8 @@ fn a_large_pause_releases_its_runs_on_two_threads_and_loses_none() {
     assert_eq!(dev.run_count(), 0);
     assert!(alloc.held_bytes() + (10 << 30) <= held, "10 GiB given back");
     checked(&dev, &alloc);
-    // One release refused, on whichever thread makes it: that run stays held, counted by the
-    // device and the budget alike, until the next empty-cache.
+    // One release refused: that run stays held, counted by the device and the budget alike,
+    // until the next empty-cache.
     alloc.resume_pool(pool).unwrap();
     checked(&dev, &alloc);
     dev.inject_oom(CallKind::ReleasePage, 2);

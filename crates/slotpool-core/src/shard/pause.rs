@@ -25,7 +25,6 @@ use crate::block::{SegmentId, SegmentKind};
 use crate::device::{Device, DeviceError, HostBuffer, PageHandle};
 use crate::env::Env;
 
-use super::runs::free_runs;
 use super::{Shard, ShardError};
 
 /// One page given back by a pause.
@@ -191,9 +190,6 @@ impl Shard {
         self.device_synchronized(env);
         self.flush_quick(env);
         let mut kept = Vec::with_capacity(pages.len());
-        // Runs are unmapped one by one here and given back together at the end (`free_runs`: on
-        // two threads when they are large).
-        let mut unmapped_runs = Vec::new();
         let mut unreleased = 0;
         let mut i = 0;
         while i < pages.len() {
@@ -207,12 +203,10 @@ impl Shard {
             // from its first on).
             if let Some((first, r)) = run {
                 let n = (first + r.pages - p.page).min(pages.len() - i);
-                match self.unmap_run(env, p.seg, first) {
-                    Ok(run) => {
-                        let bytes = run.pages as u64 * ps;
+                match self.release_run(env, p.seg, first) {
+                    Ok(bytes) => {
                         self.stats.reserved_paused_bytes.inc(small, bytes as i64);
                         kept.extend_from_slice(&pages[i..i + n]);
-                        unmapped_runs.push(run);
                     }
                     Err(_) => unreleased += r.pages as u64 * ps,
                 }
@@ -255,7 +249,6 @@ impl Shard {
             }
             i += n;
         }
-        free_runs(env, unmapped_runs, ps);
         self.pause = Some(Box::new(ShardPause {
             quick_off: self.quick_off,
             pages: kept,

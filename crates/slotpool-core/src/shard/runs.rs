@@ -26,47 +26,6 @@ pub(crate) fn free_run(env: &Env<'_>, run: PhysRun, page_size: u64) {
     }
 }
 
-/// Runs of this many bytes or more in one batch are given back on two threads ([`free_runs`]).
-const TWO_THREAD_RELEASE_BYTES: u64 = 8 << 30;
-
-/// Give runs that nothing maps back to the driver, as [`free_run`] does one. The driver's
-/// `cuMemRelease` costs about 0.55 ms per GB whatever the size of the run, and two threads
-/// releasing at once take 15-20% less from 10 GB up, while more threads take longer (H200,
-/// `benches/gpu/vmm_runs.cu`): so a batch of [`TWO_THREAD_RELEASE_BYTES`] or more is split, by
-/// bytes, between this thread and one other. Runs are independent of each other and of the
-/// shard (its bookkeeping is done before), so the order of the releases does not matter.
-pub(crate) fn free_runs(env: &Env<'_>, runs: Vec<PhysRun>, page_size: u64) {
-    let bytes: u64 = runs.iter().map(|r| r.pages as u64 * page_size).sum();
-    if runs.len() < 2 || bytes < TWO_THREAD_RELEASE_BYTES {
-        for run in runs {
-            free_run(env, run, page_size);
-        }
-        return;
-    }
-    let mut acc = 0;
-    let half = runs
-        .iter()
-        .position(|r| {
-            acc += r.pages as u64 * page_size;
-            2 * acc >= bytes
-        })
-        .map_or(1, |i| i + 1)
-        .clamp(1, runs.len() - 1);
-    let (mine, theirs) = runs.split_at(half);
-    std::thread::scope(|s| {
-        let other = std::thread::Builder::new()
-            .name("slotpool-release".into())
-            .spawn_scoped(s, || {
-                theirs.iter().for_each(|&r| free_run(env, r, page_size))
-            });
-        mine.iter().for_each(|&r| free_run(env, r, page_size));
-        if other.is_err() {
-            // No thread to be had: release the other half here.
-            theirs.iter().for_each(|&r| free_run(env, r, page_size));
-        }
-    });
-}
-
 impl Shard {
     /// Map slots [first, first + n) of reservation `seg`, none of them mapped, with physical runs
     /// of at most [`RUN_MAX_BYTES`]. A run the device cannot make is made in halves; with a
@@ -172,8 +131,8 @@ impl Shard {
 
     /// Unmap the run that starts at slot `first` of `seg` and take it out of the shard (its
     /// bytes leave the shard's statistics and its pool's budget, not the device's: the caller
-    /// gives it back with [`free_run`] or [`free_runs`]). On error nothing changed.
-    pub(crate) fn unmap_run(
+    /// gives it back with [`free_run`]). On error nothing changed.
+    fn unmap_run(
         &mut self,
         env: &Env<'_>,
         seg: SegmentId,
