@@ -322,15 +322,9 @@ impl Shard {
 
     /// The resume is done: forget the pause; its backup's buffer stays for the next one.
     pub(crate) fn resume_commit(&mut self, env: &Env<'_>) {
-        let ps = env.page_size() as i64;
-        let Some(pause) = self.pause.take() else {
+        let Some(pause) = self.end_pause(env) else {
             return;
         };
-        for p in &pause.pages {
-            let small = self.segments[p.seg].small;
-            self.stats.reserved_paused_bytes.dec(small, ps);
-        }
-        self.quick_off = pause.quick_off;
         // A backed-up pause took the spare buffer (`back_up`); a discarding one left it spare.
         if pause.host.is_some() {
             debug_assert!(self.host_spare.is_none(), "the backup took the spare");
@@ -342,15 +336,9 @@ impl Shard {
     /// paused pages stop counting as reserved, the backup is freed (kept as the spare buffer,
     /// freed by the next empty-cache, if the backend refuses).
     pub(crate) fn abandon_pause(&mut self, env: &Env<'_>) {
-        let ps = env.page_size() as i64;
-        let Some(pause) = self.pause.take() else {
+        let Some(pause) = self.end_pause(env) else {
             return;
         };
-        for p in &pause.pages {
-            let small = self.segments[p.seg].small;
-            self.stats.reserved_paused_bytes.dec(small, ps);
-        }
-        self.quick_off = pause.quick_off;
         if let Some((buf, n)) = pause.host
             && env.dev.free_host(buf).is_err()
         {
@@ -359,6 +347,19 @@ impl Shard {
                 let _ = env.dev.free_host(old);
             }
         }
+    }
+
+    /// Take the shard's pause record, if any: its pages stop counting as paused, the quick
+    /// cache's state before the pause comes back. The caller deals with the backup.
+    fn end_pause(&mut self, env: &Env<'_>) -> Option<Box<ShardPause>> {
+        let ps = env.page_size() as i64;
+        let pause = self.pause.take()?;
+        for p in &pause.pages {
+            let small = self.segments[p.seg].small;
+            self.stats.reserved_paused_bytes.dec(small, ps);
+        }
+        self.quick_off = pause.quick_off;
+        Some(pause)
     }
 
     /// (paused bytes, host bytes: the backup and the spare buffer) of this shard.
