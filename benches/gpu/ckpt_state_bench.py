@@ -21,6 +21,9 @@ One repeat, in a fresh MemPool (a private pool, as a graph's), for N live blocks
   6. checked: the pool's live allocations are exactly the N/2 survivors
      (torch._C._cuda_checkPoolLiveAllocations); a repeat that fails the check fails the run.
 The first repeat of each size warms up and is left out; the table shows medians of the others.
+Then graph trees' own pattern (gt_*: no stale storages, the survivors' storages made without a
+deleter take one from the call; one_repeat_graph_trees), through torch._C and, under slotpool,
+PyTorch's binding.
 Under slotpool the same repeats again through PyTorch's own binding (pytorch_binding_us:
 slotpool_torch.torch_set_checkpoint_pool_state). Then the same repeats again with step 4 through benches/gpu/ckpt_state_set.cpp (built just in
 time): the allocator's setCheckpointPoolState alone, timed in C++ (alloc_us), without the
@@ -104,6 +107,45 @@ def one_repeat(torch, n, device, set_ext=None, set_fn=None):
             "alloc_us": alloc_us, "live_check": bool(ok)}
 
 
+def one_repeat_graph_trees(torch, n, device, set_fn=None):
+    """Graph trees' own call at a branch switch (torch/_inductor/cudagraph_trees.py): no stale
+    storages; the path's live storages, made over their blocks without a deleter
+    (_construct_storage_from_data_pointer), in storages_to_add_deleters_to. N live blocks at the
+    checkpoint (raw allocations, every other one of 2N freed), half of them dead since; the
+    other half take their deleters from the call; the dead ones are re-created and freed with
+    raw_delete, as graph trees do."""
+    sizes = [512 * (i % 13 + 1) for i in range(2 * n)]
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        ptrs = [torch.cuda.caching_allocator_alloc(sz, device) for sz in sizes]
+    for p in ptrs[::2]:
+        torch.cuda.caching_allocator_delete(p)
+    live, live_sizes = ptrs[1::2], sizes[1::2]
+    torch.cuda.synchronize()
+    state = torch._C._cuda_getCheckpointState(device, pool.id)
+    dead = live[::2]
+    for p in dead:
+        torch.cuda.caching_allocator_delete(p)
+    survivors = list(zip(live[1::2], live_sizes[1::2]))
+    where = torch.device("cuda", device)
+    owners = [torch._C._construct_storage_from_data_pointer(p, where, sz) for p, sz in survivors]
+    add = [o._cdata for o in owners]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    (set_fn or torch._C._cuda_setCheckpointPoolState)(device, state, [], add)
+    t_set = time.perf_counter()
+    for p in dead:
+        torch._C._cuda_cudaCachingAllocator_raw_delete(p)
+    t_switch = time.perf_counter()
+    ok = torch._C._cuda_checkPoolLiveAllocations(device, pool.id, {p for p, _ in survivors})
+    del owners, add  # they took the allocator's deleter: this frees the survivors
+    ok = ok and torch._C._cuda_checkPoolLiveAllocations(device, pool.id, set())
+    del state
+    torch.cuda.synchronize()
+    del pool
+    return {"set_us": (t_set - t) * 1e6, "switch_us": (t_switch - t) * 1e6, "live_check": bool(ok)}
+
+
 def child(alloc, sizes, repeats):
     slotpool_torch = None
     if alloc == "slotpool":
@@ -133,6 +175,16 @@ def child(alloc, sizes, repeats):
                       for _ in range(repeats + 1)][1:]
             res["pytorch_binding_us"] = statistics.median(r["set_us"] for r in theirs)
             res["live_check"] = res["live_check"] and all(r["live_check"] for r in theirs)
+        # Graph trees' own pattern, through torch._C (and, under slotpool, PyTorch's binding).
+        gt = [one_repeat_graph_trees(torch, n, device) for _ in range(repeats + 1)][1:]
+        res["gt_set_us"] = statistics.median(r["set_us"] for r in gt)
+        res["gt_switch_us"] = statistics.median(r["switch_us"] for r in gt)
+        res["live_check"] = res["live_check"] and all(r["live_check"] for r in gt)
+        if alloc == "slotpool":
+            gt = [one_repeat_graph_trees(torch, n, device, slotpool_torch.torch_set_checkpoint_pool_state)
+                  for _ in range(repeats + 1)][1:]
+            res["gt_pytorch_binding_us"] = statistics.median(r["set_us"] for r in gt)
+            res["live_check"] = res["live_check"] and all(r["live_check"] for r in gt)
         if set_ext is not None:
             alone = [one_repeat(torch, n, device, set_ext) for _ in range(repeats + 1)][1:]
             res["alloc_us"] = statistics.median(r["alloc_us"] for r in alone)
@@ -238,6 +290,19 @@ def main(argv):
               f"{(f'{ratio:.0f}x' if ratio else '-'):>7}  {cell('native', 'switch_us'):>13}  "
               f"{cell('slotpool', 'switch_us'):>15}  {cell('native', 'alloc_us'):>12}  "
               f"{cell('slotpool', 'alloc_us'):>14}  {cell('slotpool', 'pytorch_binding_us'):>23}")
+    print(f"\ngraph trees' own pattern (no stale storages, the live ones take deleters; median, us)")
+    print(f"{'live blocks':>11}  {'native set':>11}  {'slotpool set':>12}  {'ratio':>7}  "
+          f"{'native switch':>13}  {'slotpool switch':>15}  {'slotpool, torch binding':>23}")
+    for n in sizes:
+        def gcell(a, k):
+            v = results.get(a, {}).get("sizes", {}).get(str(n), {}).get(k)
+            return v
+        ns, ss = gcell("native", "gt_set_us"), gcell("slotpool", "gt_set_us")
+        ratio = f"{ns / ss:.0f}x" if ns and ss else "-"
+        fmt = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
+        print(f"{n:>11}  {fmt(ns):>11}  {fmt(ss):>12}  {ratio:>7}  "
+              f"{fmt(gcell('native', 'gt_switch_us')):>13}  {fmt(gcell('slotpool', 'gt_switch_us')):>15}  "
+              f"{fmt(gcell('slotpool', 'gt_pytorch_binding_us')):>23}")
     print("set: the torch._C call (under slotpool: slotpool's, put there by install()); switch: "
           "set + graph trees' raw_delete of the re-created blocks; alone: the allocator's "
           "setCheckpointPoolState timed in C++; torch binding: PyTorch's own torch._C function over "
