@@ -48,22 +48,10 @@ impl<D: Device> Allocator<D> {
             }
         }
         // 3. Every unused cached byte on the device (never during a capture).
-        if !self.capture_underway() {
-            let synced = self.counted.synchronize().is_ok();
-            self.release_all_cached(synced, true);
-            self.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
-            // The idle pages were kept in the device's page pool for the retry; those it could
-            // not use (a classic segment takes no page) go back to the device before the last.
-            for last in [false, true] {
-                if last {
-                    self.release_page_pool();
-                }
-                match attempt(&cell) {
-                    Ok(addr) => return Ok(addr),
-                    Err(ShardError::OutOfMemory) => {}
-                    Err(e) => return Err(shard_error(e)),
-                }
-            }
+        if let Some(r) = self
+            .retry_after_release_all(|| attempt(&cell), |e| matches!(e, ShardError::OutOfMemory))
+        {
+            return r.map_err(shard_error);
         }
         self.num_ooms.fetch_add(1, Ordering::Relaxed);
         self.shared
@@ -84,24 +72,43 @@ impl<D: Device> Allocator<D> {
         rounded: u64,
         attempt: impl Fn() -> AllocResult<T>,
     ) -> AllocResult<T> {
-        if !self.capture_underway() {
-            let synced = self.counted.synchronize().is_ok();
-            self.release_all_cached(synced, true);
-            self.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
-            for last in [false, true] {
-                if last {
-                    self.release_page_pool();
-                }
-                match attempt() {
-                    Err(AllocError::OutOfMemory(_)) => {}
-                    other => return other,
-                }
-            }
+        if let Some(r) =
+            self.retry_after_release_all(attempt, |e| matches!(e, AllocError::OutOfMemory(_)))
+        {
+            return r;
         }
         self.num_ooms.fetch_add(1, Ordering::Relaxed);
         Err(AllocError::OutOfMemory(Box::new(
             self.oom_report(size, rounded),
         )))
+    }
+
+    /// The ladder's last rung, shared by both ladders: outside captures, release every unused
+    /// cached byte of the device and retry `attempt`, first with the idle pages kept in the
+    /// device's page pool, then (those it could not use, as a classic segment takes no page)
+    /// after giving them back to the driver. `None` when it is still out of memory (`is_oom`)
+    /// or a capture is underway; else what the attempt returned.
+    fn retry_after_release_all<T, E>(
+        &self,
+        attempt: impl Fn() -> Result<T, E>,
+        is_oom: impl Fn(&E) -> bool,
+    ) -> Option<Result<T, E>> {
+        if self.capture_underway() {
+            return None;
+        }
+        let synced = self.counted.synchronize().is_ok();
+        self.release_all_cached(synced, true);
+        self.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
+        for last in [false, true] {
+            if last {
+                self.release_page_pool();
+            }
+            match attempt() {
+                Err(e) if is_oom(&e) => {}
+                other => return Some(other),
+            }
+        }
+        None
     }
 
     pub(super) fn oom_report(&self, size: u64, rounded: u64) -> OomReport {
