@@ -2,11 +2,39 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
 
 use slotpool::core::{Allocator, Config, GrowthMode, PoolId, PoolOptions};
 use slotpool::sim::{Backing, SimConfig, SimDevice};
 
 pub const MIB: u64 = 1 << 20;
+
+/// How long racing threads run: `default` normally, `heavy` under `SLOTPOOL_HEAVY=1`.
+pub fn race_duration(default: Duration, heavy: Duration) -> Duration {
+    if std::env::var("SLOTPOOL_HEAVY").as_deref() == Ok("1") {
+        heavy
+    } else {
+        default
+    }
+}
+
+/// A thread that calls `f` again and again until `stop` is set; it joins to how many times.
+pub fn repeat_until(
+    stop: &Arc<AtomicBool>,
+    mut f: impl FnMut() + Send + 'static,
+) -> JoinHandle<u64> {
+    let stop = stop.clone();
+    thread::spawn(move || {
+        let mut n = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            f();
+            n += 1;
+        }
+        n
+    })
+}
 
 /// A byte-backed simulated device of `total` bytes and an allocator over it.
 pub fn setup(growth: GrowthMode, total: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {

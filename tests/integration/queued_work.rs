@@ -13,15 +13,11 @@ use std::time::Duration;
 
 use slotpool::core::GrowthMode;
 
-use crate::common::{MIB, check_all, setup};
+use crate::common::{MIB, check_all, race_duration, repeat_until, setup};
 
 /// How long the racing threads run.
 fn duration() -> Duration {
-    if std::env::var("SLOTPOOL_HEAVY").as_deref() == Ok("1") {
-        Duration::from_secs(10)
-    } else {
-        Duration::from_millis(400)
-    }
+    race_duration(Duration::from_millis(400), Duration::from_secs(10))
 }
 
 /// The interleaving itself: between `empty_cache`'s synchronisation and its shard locks, another
@@ -100,15 +96,8 @@ fn kernels_race_empty_cache(growth: GrowthMode) {
         })
         .collect();
     let cleaner = {
-        let (alloc, stop) = (alloc.clone(), stop.clone());
-        thread::spawn(move || {
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                alloc.empty_cache();
-                n += 1;
-            }
-            n
-        })
+        let alloc = alloc.clone();
+        repeat_until(&stop, move || alloc.empty_cache())
     };
     thread::sleep(duration());
     stop.store(true, Ordering::Relaxed);

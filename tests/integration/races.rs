@@ -13,15 +13,13 @@ use std::time::Duration;
 use slotpool::core::{Allocator, GrowthMode, PoolId, PoolOptions};
 use slotpool::sim::SimDevice;
 
-use crate::common::{Live, MIB, check_all, fill_probes, setup, verify_probes};
+use crate::common::{
+    Live, MIB, check_all, fill_probes, race_duration, repeat_until, setup, verify_probes,
+};
 
 /// How long each racing thread runs.
 fn duration() -> Duration {
-    if std::env::var("SLOTPOOL_HEAVY").as_deref() == Ok("1") {
-        Duration::from_secs(20)
-    } else {
-        Duration::from_millis(700)
-    }
+    race_duration(Duration::from_millis(700), Duration::from_secs(20))
 }
 
 /// A small xorshift generator, one per thread.
@@ -155,15 +153,8 @@ fn empty_cache_races_new_shards(growth: GrowthMode) {
         })
         .collect();
     let reclaimer = {
-        let (alloc, stop) = (alloc.clone(), stop.clone());
-        thread::spawn(move || {
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                alloc.empty_cache();
-                n += 1;
-            }
-            n
-        })
+        let alloc = alloc.clone();
+        repeat_until(&stop, move || alloc.empty_cache())
     };
     thread::sleep(duration());
     stop.store(true, Ordering::Relaxed);
