@@ -124,20 +124,6 @@ impl Shard {
         seg: SegmentId,
         first: usize,
     ) -> Result<u64, ShardError> {
-        let run = self.unmap_run(env, seg, first)?;
-        free_run(env, run, env.page_size());
-        Ok(run.pages as u64 * env.page_size())
-    }
-
-    /// Unmap the run that starts at slot `first` of `seg` and take it out of the shard (its
-    /// bytes leave the shard's statistics and its pool's budget, not the device's: the caller
-    /// gives it back with [`free_run`]). On error nothing changed.
-    fn unmap_run(
-        &mut self,
-        env: &Env<'_>,
-        seg: SegmentId,
-        first: usize,
-    ) -> Result<PhysRun, ShardError> {
         let ps = env.page_size();
         let segment = &mut self.segments[seg];
         let (small, seg_addr) = (segment.small, segment.addr);
@@ -155,7 +141,8 @@ impl Shard {
         self.stats.num_device_free += 1;
         self.stats.reserved_bytes.dec(small, bytes as i64);
         env.pool_budget.release(bytes);
-        Ok(run)
+        free_run(env, run, ps);
+        Ok(bytes)
     }
 
     /// Release the runs of `seg` whose every slot is idle since a safe epoch (and, with
