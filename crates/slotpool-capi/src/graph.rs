@@ -61,6 +61,28 @@ fn checkpoint(p: *const sp_checkpoint) -> Result<Arc<CheckpointObj>> {
     CHECKPOINTS.get(tok(p), Kind::Checkpoint.name())
 }
 
+/// The lists of the last delta freed, for the next restore to fill: CUDA graph trees restore at
+/// every branch switch, and lists of thousands of entries allocated afresh each time cost more
+/// in page faults than the restore's own work on them.
+static SPARE_DELTA: Mutex<Option<RestoreDelta>> = Mutex::new(None);
+
+/// Entries a spare delta may hold room for (16 bytes each); a larger one is dropped.
+const SPARE_DELTA_MAX: usize = 1 << 20;
+
+fn take_spare_delta() -> RestoreDelta {
+    SPARE_DELTA
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take()
+        .unwrap_or_default()
+}
+
+fn keep_spare_delta(d: RestoreDelta) {
+    if d.freed.capacity() + d.created.capacity() <= SPARE_DELTA_MAX {
+        *SPARE_DELTA.lock().unwrap_or_else(PoisonError::into_inner) = Some(d);
+    }
+}
+
 fn delta(p: *const sp_restore_delta) -> Result<Arc<RestoreDelta>> {
     DELTAS.get(tok(p), Kind::Delta.name())
 }
@@ -114,7 +136,9 @@ unsafe fn ptr_list(
 /// `out` must be NULL or valid for a write.
 unsafe fn deliver(delta: RestoreDelta, out: *mut *mut sp_restore_delta) -> Result<()> {
     // Registered only when wanted: nobody would ever free an unwanted handle.
-    if !out.is_null() {
+    if out.is_null() {
+        keep_spare_delta(delta);
+    } else {
         let t = DELTAS.insert(delta)?;
         // SAFETY: valid for a write by the caller's contract.
         unsafe { put_opt(out, handle(t)) };
@@ -180,7 +204,7 @@ pub unsafe extern "C" fn sp_checkpoint_restore(
         let d = runtime()?.device(c.device)?;
         // SAFETY: forwarded from the caller's contract.
         let keep = unsafe { ptr_list(d, keep_live, n_keep, "keep_live") }?;
-        let delta = each!(d, a => a.restore_checkpoint(&c.cp, &keep))?;
+        let delta = each!(d, a => a.restore_checkpoint(&c.cp, &keep, take_spare_delta()))?;
         // SAFETY: NULL or valid for a write by the caller's contract.
         unsafe { deliver(delta, delta_out) }
     })
@@ -332,7 +356,15 @@ pub unsafe extern "C" fn sp_delta_entries(
 /// None for `d`: any value is checked against the registry, never dereferenced.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sp_delta_free(d: *mut sp_restore_delta) -> sp_status {
-    ffi(|| DELTAS.remove(tok(d), Kind::Delta.name()))
+    ffi(|| {
+        // Its lists serve the next restore, unless a call still reads them.
+        if let Some(delta) = DELTAS.take(tok(d), Kind::Delta.name())?
+            && let Ok(delta) = Arc::try_unwrap(delta)
+        {
+            keep_spare_delta(delta);
+        }
+        Ok(())
+    })
 }
 
 // ------------------------------------------------------------------------------------------------

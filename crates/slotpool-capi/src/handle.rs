@@ -179,8 +179,15 @@ impl<T> Registry<T> {
     /// Unregisters the live handle `t` (0 is accepted and does nothing); its object is dropped
     /// once no call still uses it.
     pub(crate) fn remove(&self, t: u64, what: &str) -> Result<()> {
+        // Dropped outside the lock: dropping a checkpoint takes allocator locks.
+        drop(self.take(t, what)?);
+        Ok(())
+    }
+
+    /// Unregisters the live handle `t` (0 is accepted: `None`) and hands its object back.
+    pub(crate) fn take(&self, t: u64, what: &str) -> Result<Option<Arc<T>>> {
         if t == 0 {
-            return Ok(());
+            return Ok(None);
         }
         let value = {
             let mut s = self.lock();
@@ -194,9 +201,7 @@ impl<T> Registry<T> {
             }
             value
         };
-        // Dropped outside the lock: dropping a checkpoint takes allocator locks.
-        drop(value);
-        Ok(())
+        Ok(value)
     }
 }
 

@@ -107,7 +107,23 @@ impl<D: Device> Allocator<D> {
         checkpoint: &Checkpoint,
         keep_live: &[DevicePtr],
     ) -> AllocResult<RestoreDelta> {
-        let attempt = || self.restore_once(pool, checkpoint, keep_live);
+        self.restore_into(pool, checkpoint, keep_live, RestoreDelta::default())
+    }
+
+    /// [`Allocator::restore`] with its delta built in `buffers`' lists (cleared first).
+    pub(crate) fn restore_into(
+        &self,
+        pool: PoolId,
+        checkpoint: &Checkpoint,
+        keep_live: &[DevicePtr],
+        buffers: RestoreDelta,
+    ) -> AllocResult<RestoreDelta> {
+        // A retry after an out-of-memory starts from fresh lists.
+        let buffers = std::cell::Cell::new(Some(buffers));
+        let attempt = || {
+            let delta = buffers.take().unwrap_or_default();
+            self.restore_once(pool, checkpoint, keep_live, delta)
+        };
         match attempt() {
             // Out of memory: the rest of the device's cache is reclaimed first, as for blocks.
             Err(AllocError::OutOfMemory(r)) => {
@@ -124,6 +140,7 @@ impl<D: Device> Allocator<D> {
         pool: PoolId,
         checkpoint: &Checkpoint,
         keep_live: &[DevicePtr],
+        mut delta: RestoreDelta,
     ) -> AllocResult<RestoreDelta> {
         if checkpoint.allocator != self.uid {
             return Err(AllocError::InvalidArgument(Box::new(
@@ -139,7 +156,8 @@ impl<D: Device> Allocator<D> {
         if !lock(&self.pools).contains_key(&pool) {
             return Err(AllocError::UnknownPool(Box::new(pool)));
         }
-        let _reclaim = lock(&self.reclaim);
+        let mut reclaim = lock(&self.reclaim);
+        let scratch = &mut *reclaim;
         // Under `reclaim`, which pause and resume hold too.
         if lock(&self.pools)
             .get(&pool)
@@ -187,7 +205,7 @@ impl<D: Device> Allocator<D> {
                 // unless it raced with the checkpoint; the plan needs its blocks free or live.
                 shard.flush_quick(&self.env(&cell.pool_budget));
             }
-            plans.push(shard.plan_restore(mark, keep, &mut diff));
+            plans.push(shard.plan_restore(mark, keep, &mut diff, scratch));
         }
         if !diff.mismatches.is_empty() || !strays.is_empty() {
             drop(guards);
@@ -223,13 +241,17 @@ impl<D: Device> Allocator<D> {
             }
         }
         let plans_len = plans.len();
-        let mut delta = RestoreDelta {
-            freed: Vec::with_capacity(plans.iter().map(|p| p.freed().len()).sum()),
-            created: Vec::with_capacity(plans.iter().map(|p| p.created().len()).sum()),
-        };
+        delta.freed.clear();
+        delta.created.clear();
+        delta
+            .freed
+            .reserve(plans.iter().map(|p| p.freed().len()).sum());
+        delta
+            .created
+            .reserve(plans.iter().map(|p| p.created().len()).sum());
         for ((cell, shard), plan) in cells.iter().zip(guards.iter_mut()).zip(plans) {
             let env = self.env(&cell.pool_budget);
-            shard.restore_apply(&env, plan, &mut delta);
+            shard.restore_apply(&env, plan, &mut delta, scratch);
         }
         drop(guards);
         // Each shard's lists are in address order already.

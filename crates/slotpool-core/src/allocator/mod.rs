@@ -38,12 +38,15 @@ use crate::env::{Budget, Env, EventPool, PagePool, Shared};
 use crate::error::{AllocError, AllocResult};
 use crate::pool::{PoolId, PoolOptions};
 use crate::route::Route;
-use crate::shard::{Shard, ShardCell, ShardError, ShardRef};
+use crate::shard::{RestoreScratch, Shard, ShardCell, ShardError, ShardRef};
 pub use crate::snapshot::{BlockSnapshot, SegmentSnapshot};
 use pools::PoolEntry;
 use shards::{ShardTable, shards_of};
 
-use crate::sync::{Mutex, RwLock, lock, rank};
+use crate::sync::{Mutex, MutexGuard, RwLock, lock, rank};
+
+/// Proof that the caller holds the allocator's `reclaim` lock.
+pub(crate) type ReclaimGuard<'a> = MutexGuard<'a, RestoreScratch>;
 pub use checkpoint::VariantGroup;
 pub use readers::LiveAllocation;
 
@@ -83,8 +86,10 @@ pub struct Allocator<D: Device> {
     /// Every segment's address range and its shard, to find the shard of a pointer that the
     /// calling thread's cached shard does not own. Written only when segments come and go.
     segments: RwLock<BTreeMap<DevicePtr, (DevicePtr, Weak<ShardCell>)>>,
-    /// Taken by the OOM and cache-emptying paths, which visit every shard one at a time.
-    reclaim: Mutex<()>,
+    /// Taken by the paths that visit every shard (OOM, cache emptying) or lock several of them
+    /// (checkpoint, restore, pause, resume). It holds the restores' buffers, which one restore
+    /// at a time uses.
+    reclaim: Mutex<RestoreScratch>,
     num_alloc_retries: AtomicI64,
     num_ooms: AtomicI64,
 }
@@ -154,7 +159,7 @@ impl<D: Device> Allocator<D> {
             shards: Mutex::new(rank::SHARDS, FxHashMap::default()),
             generation: AtomicU64::new(0),
             segments: RwLock::new(rank::SEGMENTS, BTreeMap::new()),
-            reclaim: Mutex::new(rank::RECLAIM, ()),
+            reclaim: Mutex::new(rank::RECLAIM, RestoreScratch::default()),
             num_alloc_retries: AtomicI64::new(0),
             num_ooms: AtomicI64::new(0),
         }

@@ -31,6 +31,7 @@
 //!   (`Allocator::end_orphaned_pauses`): backup freed, paused bytes forgotten, reservations
 //!   released, pool forgotten.
 
+use super::ReclaimGuard;
 use crate::allocator::pools::PoolEntry;
 use crate::allocator::{Allocator, ShardRef, ShardTable, shards_of};
 use crate::device::Device;
@@ -253,7 +254,7 @@ impl<D: Device> Allocator<D> {
     /// release that follows gives its reservations back and the pool is forgotten like any
     /// empty released pool. A released paused pool with live blocks stays paused, its backup
     /// kept, until it is resumed or its blocks are freed.
-    pub(crate) fn end_orphaned_pauses(&self, _reclaim: &crate::sync::MutexGuard<'_, ()>) {
+    pub(crate) fn end_orphaned_pauses(&self, _reclaim: &ReclaimGuard<'_>) {
         let mut pools = lock(&self.pools);
         let shards = lock(&self.shards);
         for (&id, entry) in pools.iter_mut() {

@@ -51,12 +51,16 @@ impl<D: Device> Allocator<D> {
     }
 
     /// [`Allocator::restore`] of the pool `checkpoint` was taken of: the checkpoint says which
-    /// pool, and the restore checks once that it belongs to this allocator.
+    /// pool, and the restore checks once that it belongs to this allocator. The delta is built
+    /// in `buffers`' lists (cleared first, their capacity kept): a caller that restores often
+    /// hands the last delta back, and a restore of thousands of blocks then allocates, and
+    /// page-faults, nothing for its delta.
     pub fn restore_checkpoint(
         &self,
         checkpoint: &Checkpoint,
         keep_live: &[DevicePtr],
+        buffers: RestoreDelta,
     ) -> AllocResult<RestoreDelta> {
-        self.restore(checkpoint.pool(), checkpoint, keep_live)
+        self.restore_into(checkpoint.pool(), checkpoint, keep_live, buffers)
     }
 }

@@ -1,5 +1,6 @@
 //! Reclaiming memory: the out-of-memory ladder, `empty_cache`, and releasing a shard's cache.
 
+use super::ReclaimGuard;
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::{AllocError, AllocResult, OomReport};
 use crate::pool::PoolId;
@@ -199,7 +200,7 @@ impl<D: Device> Allocator<D> {
 
     /// Forget freeable pools that hold nothing any more (no shard, no live arena) and that no
     /// live checkpoint needs.
-    fn forget_freeable_pools(&self, reclaim: &crate::sync::MutexGuard<'_, ()>) {
+    fn forget_freeable_pools(&self, reclaim: &ReclaimGuard<'_>) {
         self.drop_empty_shards(reclaim, None);
         let arena_pools = self.arena_pools();
         let mut pools = lock(&self.pools);

@@ -1,5 +1,6 @@
 //! The shard table: one shard per (pool, stream), created on first use, forgotten once empty.
 
+use super::ReclaimGuard;
 use crate::device::{Device, StreamId};
 use crate::error::{AllocError, AllocResult};
 use crate::pool::PoolId;
@@ -86,11 +87,7 @@ impl<D: Device> Allocator<D> {
     /// shard outside the table, and the segment registry names only shards in it. Called under
     /// `reclaim` (the guard proves it), which checkpoints, restores and the OOM ladder also
     /// hold: no shard they have looked up is retired under them.
-    pub(crate) fn drop_empty_shards(
-        &self,
-        _reclaim: &crate::sync::MutexGuard<'_, ()>,
-        pool: Option<PoolId>,
-    ) {
+    pub(crate) fn drop_empty_shards(&self, _reclaim: &ReclaimGuard<'_>, pool: Option<PoolId>) {
         let mut shards = lock(&self.shards);
         let before = shards.len();
         shards.retain(|&(p, _), cell| {

@@ -2,7 +2,6 @@
 //! checkpoint's marks in the shard's structures, the plan of a restore, and its two steps (map
 //! the pages the plan needs, then apply it).
 
-use std::cell::RefCell;
 use std::sync::{Arc, Weak};
 
 use crate::block::{Block, BlockId, SegmentId, SegmentKind};
@@ -59,21 +58,19 @@ impl Plan {
     }
 }
 
-/// Buffers kept from one restore to the next: a restore of thousands of blocks then allocates
-/// (and page-faults) nothing.
+/// Buffers kept from one restore to the next, by the allocator for all its shards (restores
+/// take turns under its `reclaim` lock): a restore of thousands of blocks then allocates (and
+/// page-faults) nothing, even on a pool it has never restored, as a new graph's is.
 #[derive(Debug, Default)]
-pub(crate) struct Scratch {
+pub(crate) struct RestoreScratch {
     keys: Vec<u64>,
     keys_tmp: Vec<u64>,
     pairs: Vec<LiveEntry>,
-    freed: Vec<LiveEntry>,
-    created: Vec<LiveEntry>,
     pages: Vec<(SegmentId, usize)>,
+    /// A plan's freed / created lists, one pair per shard of the restore, given back by
+    /// [`Shard::restore_apply`].
+    lists: Vec<(Vec<LiveEntry>, Vec<LiveEntry>)>,
 }
-
-/// A shard's restore buffers (boxed: a shard that never restores carries a pointer, not them);
-/// a `RefCell` because planning reads the shard.
-pub(crate) type RestoreScratch = Box<RefCell<Scratch>>;
 
 /// The statistics that follow from the blocks alone (not from the segments), as current values:
 /// allocations, active blocks, allocated, active and requested bytes, inactive splits, oversize
@@ -245,6 +242,7 @@ impl Shard {
         token: Option<u64>,
         keep: &[(DevicePtr, BlockId)],
         diff: &mut RestoreDiff,
+        sc: &mut RestoreScratch,
     ) -> Plan {
         if !self.pending.is_empty() || !self.deferred.is_empty() {
             diff.mismatches.push(format!(
@@ -252,12 +250,11 @@ impl Shard {
                 self.stream
             ));
         }
-        let mut scratch = self.restore_scratch.borrow_mut();
-        let sc = &mut *scratch;
+        let (freed, created) = sc.lists.pop().unwrap_or_default();
         let mut plan = Plan {
             token,
-            freed: std::mem::take(&mut sc.freed),
-            created: std::mem::take(&mut sc.created),
+            freed,
+            created,
         };
         match token {
             Some(token) => {
@@ -330,8 +327,8 @@ impl Shard {
         env: &Env<'_>,
         mut plan: Plan,
         delta: &mut RestoreDelta,
+        sc: &mut RestoreScratch,
     ) {
-        let sc = self.restore_scratch.get_mut();
         let mut pages = PageWork::new(env.page_size(), std::mem::take(&mut sc.pages));
         // vmm page counts: what stops being live comes out, what comes back goes in (at both
         // ends every block that is not free is live: no frees wait, nothing is cached).
@@ -395,11 +392,11 @@ impl Shard {
         delta.freed.extend(plan.freed());
         delta.created.extend(plan.created());
         // Hand the buffers back for the next restore.
-        let sc = self.restore_scratch.get_mut();
         plan.freed.clear();
         plan.created.clear();
         pages.touched.clear();
-        (sc.freed, sc.created, sc.pages) = (plan.freed, plan.created, pages.touched);
+        sc.lists.push((plan.freed, plan.created));
+        sc.pages = pages.touched;
         self.prune_marks();
     }
 

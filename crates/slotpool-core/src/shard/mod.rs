@@ -28,7 +28,8 @@ use crate::peak::{CREDIT_MAX, Lease};
 use crate::policy::SizePolicy;
 use crate::pool::PoolId;
 use crate::stats::MemoryStats;
-use checkpoint::{Mark, RestoreScratch};
+use checkpoint::Mark;
+pub(crate) use checkpoint::RestoreScratch;
 pub(crate) use pause::PausePlan;
 
 /// Why a shard operation failed.
@@ -131,8 +132,6 @@ pub struct Shard {
     epoch_events: VecDeque<(u64, EventHandle)>,
     /// The live checkpoints' marks, oldest first (see `checkpoint.rs`).
     marks: Vec<Mark>,
-    /// Buffers of restores.
-    restore_scratch: RestoreScratch,
     /// Allocated (and cached) blocks by address: `free(ptr)` finds its block here, under the
     /// shard's lock.
     live: LiveMap,
@@ -242,7 +241,6 @@ impl Shard {
             epoch: 1,
             safe_epoch: 0,
             epoch_events: VecDeque::new(),
-            restore_scratch: RestoreScratch::default(),
             marks: Vec::new(),
             live: LiveMap::default(),
             seg_log: Vec::new(),

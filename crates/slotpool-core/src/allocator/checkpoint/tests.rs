@@ -102,21 +102,26 @@ fn check_delta(delta: &crate::checkpoint::RestoreDelta, before: &Live, after: &L
 }
 
 /// Restores where most blocks changed (free-index rebuilds, radix sorts), repeated (buffers
-/// reused), with a later checkpoint alive (journaled restores), and to a checkpoint that does
-/// not have a shard.
+/// reused: the allocator's, and the last round's delta, full of its entries, as the next
+/// one's lists), with a later checkpoint alive (journaled restores), and to a checkpoint that
+/// does not have a shard.
 fn many_changes(growth: GrowthMode) {
     let (a, live) = holes(growth);
     let cp = a.checkpoint(POOL).unwrap();
     let at_cp = blocks(&a);
+    let mut spare = crate::checkpoint::RestoreDelta::default();
     for round in 0..5 {
         // Round 2 leaves most free blocks as they were (the index keeps them).
         let step = if round == 2 { 5 } else { 2 };
         let now = churn(&a, &live, step, round, round == 3);
         let later = (round == 1).then(|| (a.checkpoint(POOL).unwrap(), blocks(&a)));
-        let delta = a.restore(POOL, &cp, &[]).unwrap();
+        let delta = a
+            .restore_checkpoint(&cp, &[], std::mem::take(&mut spare))
+            .unwrap();
         a.check_invariants().unwrap();
         assert_eq!(blocks(&a), at_cp, "round {round}");
         check_delta(&delta, &now, &live);
+        spare = delta;
         // A shard made since keeps its segments (they are never released while a
         // checkpoint is alive), each one free block.
         assert!(
