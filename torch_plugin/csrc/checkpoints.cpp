@@ -28,16 +28,13 @@ bool current_stream_capturing() {
   return status != cudaStreamCaptureStatusNone;
 }
 
-// A restore delta's freed (created false) or re-created pointers, read in one call, with room
-// reserved for `extra` more.
-std::vector<void*> delta_ptrs(const sp_restore_delta* d, bool created, size_t extra = 0) {
+// A restore delta's freed (created false) or re-created pointers, read in one call into `out`
+// (its capacity kept).
+void delta_ptrs(const sp_restore_delta* d, bool created, std::vector<void*>& out) {
   size_t n = 0;
   check(sp_delta_entries(d, created ? 1 : 0, nullptr, nullptr, 0, &n), "sp_delta_entries");
-  std::vector<void*> out;
-  out.reserve(n + extra);
   out.resize(n);
   check(sp_delta_entries(d, created ? 1 : 0, out.data(), nullptr, n, &n), "sp_delta_entries");
-  return out;
 }
 
 }  // namespace
@@ -130,22 +127,21 @@ std::shared_ptr<CheckpointState> graph_checkpoint_state(
   return state;
 }
 
-GraphRestore SlotpoolAllocator::restore_graph_state(std::shared_ptr<CheckpointState> state) {
+void SlotpoolAllocator::restore_graph_state(std::shared_ptr<CheckpointState> state,
+                                            GraphRestore& out) {
   ensure_initialized();
   (void)sp_process_events(state->device);
   DeltaGuard delta;
   void* none[1] = {nullptr};  // keep nothing (PyTorch's restore has no keep set)
   check(sp_checkpoint_restore(state->cp, none, 0, &delta.p), "sp_checkpoint_restore");
-  GraphRestore out;
-  out.freed = delta_ptrs(delta.p, /*created=*/false);
-  out.created = delta_ptrs(delta.p, /*created=*/true);
+  delta_ptrs(delta.p, /*created=*/false, out.freed);
+  delta_ptrs(delta.p, /*created=*/true, out.created);
   for (std::vector<void*>* v : {&out.freed, &out.created}) {
     if (!std::is_sorted(v->begin(), v->end())) {
       std::sort(v->begin(), v->end());
     }
   }
   out.state = std::move(state);
-  return out;
 }
 
 void GraphRestore::for_each_survivor(const std::function<void(void*)>& f) const {
@@ -166,7 +162,8 @@ CCA::CheckpointDelta SlotpoolAllocator::setCheckpointPoolState(
   // checkpoint is "allocated" (survivors, live in both, appear in both lists). Live before: what
   // the restore freed, and the survivors, which are the checkpoint's allocations the restore did
   // not re-create. Both lists in address order.
-  GraphRestore r = restore_graph_state(graph_checkpoint_state(device, pps));
+  GraphRestore r;
+  restore_graph_state(graph_checkpoint_state(device, pps), r);
   const std::vector<void*>& live_after = r.state->live;
   CCA::CheckpointDelta out;
   out.ptrs_freed = std::move(r.freed);

@@ -37,10 +37,11 @@ namespace {
 
 // A set of addresses: open addressing with linear probing in a power-of-two table at most half
 // full. Address 0 is the empty slot; a null pointer is kept apart. std::unordered_set allocates a
-// node per element, which is what makes PyTorch's version slow.
+// node per element, which is what makes PyTorch's version slow. The table is the caller's
+// vector, kept from call to call (Scratch).
 class PtrSet {
  public:
-  explicit PtrSet(size_t n) {
+  PtrSet(size_t n, std::vector<uintptr_t>& slots) : slots_(slots) {
     size_t cap = 16;
     int bits = 4;
     while (cap < 2 * n) {
@@ -91,10 +92,21 @@ class PtrSet {
     // bits of the product did, measured: 40x slower on block addresses).
     return static_cast<size_t>((v * 0x9E3779B97F4A7C15ull) >> shift_);
   }
-  std::vector<uintptr_t> slots_;
+  std::vector<uintptr_t>& slots_;
   size_t mask_ = 0;
   int shift_ = 60;
   bool has_null_ = false;
+};
+
+// Buffers kept from call to call, one set per thread. At 10,000 live blocks the sets and lists
+// below hold a few hundred KB, which a fresh allocation takes page by page from a heap that was
+// trimmed in between: graph trees call this at every branch switch.
+struct Scratch {
+  std::vector<uintptr_t> seen, freed;       // PtrSet tables
+  std::vector<c10::StorageImpl*> stale;     // (1), each storage once
+  std::vector<void*> stale_ptrs;            // their data pointers, read once
+  std::vector<c10::StorageImpl*> taking;    // (4)
+  GraphRestore restore;                     // the restore's lists
 };
 
 // Elements of sorted `a` that are not in sorted `b`.
@@ -117,19 +129,31 @@ size_t count_not_in(const std::vector<void*>& a, const std::vector<void*>& b) {
 void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
                                const std::shared_ptr<CCA::AllocatorState>& state,
                                const std::vector<c10::StorageImpl*>& stale_storages,
-                               const std::vector<c10::StorageImpl*>& storages_to_add_deleters_to) {  const c10::DeleterFnPtr ours = &slotpool_delete;
+                               const std::vector<c10::StorageImpl*>& storages_to_add_deleters_to) {
+  const c10::DeleterFnPtr ours = &slotpool_delete;
+  thread_local Scratch sc;
+  // The restore's lists hold the checkpoint state: let it go however this call ends.
+  struct Release {
+    Scratch& sc;
+    ~Release() { sc.restore.state.reset(); }
+  } release{sc};
 
   // (1) Each stale storage once, in order; a foreign deleter is refused before anything changes.
-  std::vector<c10::StorageImpl*> stale;
-  stale.reserve(stale_storages.size());
+  // Each storage is read here once for its pointer, and written once at the end.
+  std::vector<c10::StorageImpl*>& stale = sc.stale;
+  std::vector<void*>& stale_ptrs = sc.stale_ptrs;
+  stale.clear();
+  stale_ptrs.clear();
   {
-    PtrSet seen(stale_storages.size());
+    PtrSet seen(stale_storages.size(), sc.seen);
     for (c10::StorageImpl* s : stale_storages) {
       TORCH_CHECK(s != nullptr, "slotpool: a null stale storage");
       if (seen.insert(s)) {
-        TORCH_CHECK(s->data_ptr().get_deleter() == ours,
+        const c10::DataPtr& d = s->data_ptr();
+        TORCH_CHECK(d.get_deleter() == ours,
                     "Unexpected deleter function on storage, could not swap function");
         stale.push_back(s);
+        stale_ptrs.push_back(d.get());
       }
     }
   }
@@ -137,9 +161,10 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
   const std::vector<void*>& live_after = cp->live;  // what the restore leaves live
   // (4, before) The storages that take a deleter: the last one per pointer that is live in the
   // checkpoint. Each must have no deleter context.
-  std::vector<c10::StorageImpl*> taking;
+  std::vector<c10::StorageImpl*>& taking = sc.taking;
+  taking.clear();
   {
-    PtrSet seen(storages_to_add_deleters_to.size());
+    PtrSet seen(storages_to_add_deleters_to.size(), sc.seen);
     for (auto it = storages_to_add_deleters_to.rbegin(); it != storages_to_add_deleters_to.rend();
          ++it) {
       c10::StorageImpl* s = *it;
@@ -152,7 +177,8 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
     }
   }
 
-  GraphRestore r = a.restore_graph_state(std::move(cp));
+  GraphRestore& r = sc.restore;
+  a.restore_graph_state(std::move(cp), r);
 
   // (2) Every pointer freed for good comes with its stale storage.
   const size_t definitely_freed = count_not_in(r.freed, live_after);
@@ -162,7 +188,7 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
   // (3) Stale storages point at freed memory; they lose their deleters.
   if (!stale.empty()) {
     // PyTorch's "freed" list: what the restore freed, and the survivors (live before and after).
-    PtrSet freed(r.freed.size());
+    PtrSet freed(r.freed.size(), sc.freed);
     for (void* p : r.freed) {
       freed.insert(p);
     }
@@ -171,9 +197,8 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
              (std::binary_search(live_after.begin(), live_after.end(), p) &&
               !std::binary_search(r.created.begin(), r.created.end(), p));
     };
-    for (c10::StorageImpl* s : stale) {
-      TORCH_CHECK(was_freed(s->data_ptr().get()),
-                  "slotpool: a stale storage whose memory the restore did not free");
+    for (void* p : stale_ptrs) {
+      TORCH_CHECK(was_freed(p), "slotpool: a stale storage whose memory the restore did not free");
     }
     for (c10::StorageImpl* s : stale) {
       TORCH_CHECK(s->mutable_data_ptr().compare_exchange_deleter(ours, &c10::detail::deleteNothing),

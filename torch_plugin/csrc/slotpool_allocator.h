@@ -260,8 +260,9 @@ class SlotpoolAllocator final : public CCA::CUDAAllocator {
   RestoreResult absorb_delta(int device, sp_pool_id pool, sp_restore_delta* delta,
                              bool free_created);
   // setCheckpointPoolState's restore (of a state from graph_checkpoint_state), before PyTorch's
-  // delta is built from it.
-  GraphRestore restore_graph_state(std::shared_ptr<CheckpointState> state);
+  // delta is built from it; into `out`, whose lists keep their capacity (a caller that restores
+  // often keeps one, so that thousands of pointers cost no allocation).
+  void restore_graph_state(std::shared_ptr<CheckpointState> state, GraphRestore& out);
   // slotpool_torch.restore: slotpool's own semantics (survivors untouched).
   RestoreResult restore(int device, sp_pool_id pool, const CheckpointState& cp,
                         const std::vector<void*>& keep_live, bool free_created);
