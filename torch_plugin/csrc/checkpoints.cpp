@@ -1,6 +1,7 @@
 // Checkpoints: getCheckpointState / setCheckpointPoolState (CUDA graph trees), slotpool_torch's
 // checkpoint and restore, and variant groups. See "Checkpoints" in slotpool_allocator.h.
 #include "internal.h"
+#include "ptr_set.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -108,6 +109,10 @@ std::shared_ptr<CheckpointState> SlotpoolAllocator::take_checkpoint(int device, 
     state->live.push_back(a.ptr);
   }
   std::sort(state->live.begin(), state->live.end());
+  PtrSet set(state->live.size(), state->live_set);
+  for (void* p : state->live) {
+    set.insert(p);
+  }
   return state;
 }
 

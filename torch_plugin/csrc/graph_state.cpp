@@ -6,8 +6,9 @@
 // live in the checkpoint, one pointer per allocation live before) and then builds four node-based
 // hash sets over it, one of them copied by value, to check the stale storages and hand out
 // deleters. At 10,000 live blocks that bookkeeping alone costs milliseconds, more than slotpool's
-// restore. This file does the same work on the restore's own sorted lists (GraphRestore): one
-// open-addressing set, merges of sorted lists, and a DataPtr only for a storage that takes one.
+// restore. This file does the same work on the restore's own sorted lists (GraphRestore): open-
+// addressing sets (ptr_set.h; the checkpoint's live set is built once, with the checkpoint),
+// merges of sorted lists, and a DataPtr only for a storage that takes one.
 //
 // Same contract as PyTorch's binding (torch/csrc/cuda/Module.cpp, PyTorch 2.11):
 //   1. stale storages are taken once each, in the caller's order;
@@ -23,6 +24,7 @@
 // restore, so such a call changes nothing. The checks that need the restore's lists (2, 3) come
 // after it, as in PyTorch.
 #include "internal.h"
+#include "ptr_set.h"
 
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
@@ -34,69 +36,6 @@
 namespace slotpool_torch {
 
 namespace {
-
-// A set of addresses: open addressing with linear probing in a power-of-two table at most half
-// full. Address 0 is the empty slot; a null pointer is kept apart. std::unordered_set allocates a
-// node per element, which is what makes PyTorch's version slow. The table is the caller's
-// vector, kept from call to call (Scratch).
-class PtrSet {
- public:
-  PtrSet(size_t n, std::vector<uintptr_t>& slots) : slots_(slots) {
-    size_t cap = 16;
-    int bits = 4;
-    while (cap < 2 * n) {
-      cap *= 2;
-      bits++;
-    }
-    slots_.assign(cap, 0);
-    mask_ = cap - 1;
-    shift_ = 64 - bits;
-  }
-  // True if p was not in the set.
-  bool insert(const void* p) {
-    auto v = reinterpret_cast<uintptr_t>(p);
-    if (v == 0) {
-      bool fresh = !has_null_;
-      has_null_ = true;
-      return fresh;
-    }
-    for (size_t i = slot_of(v);; i = (i + 1) & mask_) {
-      if (slots_[i] == v) {
-        return false;
-      }
-      if (slots_[i] == 0) {
-        slots_[i] = v;
-        return true;
-      }
-    }
-  }
-  bool contains(const void* p) const {
-    auto v = reinterpret_cast<uintptr_t>(p);
-    if (v == 0) {
-      return has_null_;
-    }
-    for (size_t i = slot_of(v);; i = (i + 1) & mask_) {
-      if (slots_[i] == v) {
-        return true;
-      }
-      if (slots_[i] == 0) {
-        return false;
-      }
-    }
-  }
-
- private:
-  size_t slot_of(uintptr_t v) const {
-    // Fibonacci hashing: the product's top bits mix every bit of the address, so neither the
-    // 512-byte alignment of blocks nor the spacing of StorageImpls clusters the slots (middle
-    // bits of the product did, measured: 40x slower on block addresses).
-    return static_cast<size_t>((v * 0x9E3779B97F4A7C15ull) >> shift_);
-  }
-  std::vector<uintptr_t>& slots_;
-  size_t mask_ = 0;
-  int shift_ = 60;
-  bool has_null_ = false;
-};
 
 // Buffers kept from call to call, one set per thread. At 10,000 live blocks the sets and lists
 // below hold a few hundred KB, which a fresh allocation takes page by page from a heap that was
@@ -174,6 +113,7 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
   }
   std::shared_ptr<CheckpointState> cp = graph_checkpoint_state(device, state);
   const std::vector<void*>& live_after = cp->live;  // what the restore leaves live
+  const PtrSet live_set = PtrSet::filled(cp->live_set);
   // (4, before) The storages that take a deleter: the last one per pointer that is live in the
   // checkpoint. Each must have no deleter context.
   std::vector<c10::StorageImpl*>& taking = sc.taking;
@@ -188,7 +128,7 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
       c10::StorageImpl* s = add[i];
       TORCH_CHECK(s != nullptr, "slotpool: a null storage to add a deleter to");
       void* p = s->data_ptr().get();
-      if (seen.insert(p) && std::binary_search(live_after.begin(), live_after.end(), p)) {
+      if (seen.insert(p) && live_set.contains(p)) {
         TORCH_CHECK(s->data_ptr().get_context() == nullptr, " Not expecting deleter function");
         taking.push_back(s);
       }
@@ -212,7 +152,7 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
     }
     auto was_freed = [&](void* p) {
       return freed.contains(p) ||
-             (std::binary_search(live_after.begin(), live_after.end(), p) &&
+             (live_set.contains(p) &&
               !std::binary_search(r.created.begin(), r.created.end(), p));
     };
     for (void* p : stale_ptrs) {

@@ -16,6 +16,7 @@
 //   orphans.cpp      stale owners after slotpool's own restores
 //   checkpoints.cpp  getCheckpointState / setCheckpointPoolState, restores, variant groups
 //   graph_state.cpp  torch._C._cuda_setCheckpointPoolState's work on the restore's lists
+//   ptr_set.h        the address set of those two (open addressing in a caller's vector)
 //   history.cpp      recordHistory, stacks, trace trackers
 //   snapshot.cpp     snapshot() for memory_viz, getExpandableSegmentSizes
 //   ipc.cpp          CUDA IPC handles
@@ -157,6 +158,10 @@ struct CheckpointState : public CCA::AllocatorState {
   // The pool's live allocations when the checkpoint was taken, lowest address first: what a
   // restore of it (with no keep set) leaves live, fixed for the checkpoint's life.
   std::vector<void*> live;
+  // The same addresses as a PtrSet's table (ptr_set.h), built once with the checkpoint: graph
+  // trees restore it at every branch switch and ask of thousands of storages whether their
+  // memory is live in it.
+  std::vector<uintptr_t> live_set;
 };
 
 // A variant group of slotpool (sp_variant_group_*), owned.
