@@ -7,6 +7,8 @@
 //! - `unchanged_keep_all/<n>`: the same, validating all n live blocks as keep-live.
 //! - `half_changed/<n>`: restore after half the live blocks were freed and as many allocated
 //!   (the changes are made outside the timing).
+//! - `half_changed_fresh/<n>`: the same in a pool made, checkpointed and changed for the one
+//!   restore (outside the timing), as each new CUDA graph's pool is.
 //!
 //! Run: `cargo bench --bench checkpoint -- --noplot`.
 
@@ -15,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{BatchSize, BenchmarkId, Criterion, criterion_group, criterion_main};
-use slotpool::core::{Allocator, Config, PoolId, PoolOptions};
+use slotpool::core::{Allocator, Checkpoint, Config, PoolId, PoolOptions};
 use slotpool::sim::{Backing, SimConfig, SimDevice};
 
 const POOL: PoolId = PoolId(0, 1);
@@ -47,6 +49,52 @@ fn pool_with(n: usize) -> (Allocator<SimDevice>, Vec<u64>) {
         }
     }
     (a, live)
+}
+
+/// A new pool of `n` live blocks and `n` holes, checkpointed, then half changed; dropped, its
+/// blocks (those of the checkpoint, which a restore leaves live) are freed and it is released.
+struct FreshPool<'a> {
+    a: &'a Allocator<SimDevice>,
+    pool: PoolId,
+    cp: Checkpoint,
+    live: Vec<u64>,
+}
+
+impl<'a> FreshPool<'a> {
+    fn new(a: &'a Allocator<SimDevice>, pool: PoolId, n: usize) -> Self {
+        a.create_or_incref_pool(pool, PoolOptions::default())
+            .unwrap();
+        let mut live = Vec::with_capacity(n);
+        for i in 0..2 * n {
+            let p = a
+                .alloc_in(pool, 512 * (1 + (i as u64 * 7) % 64), 0)
+                .unwrap();
+            if i % 2 == 0 {
+                live.push(p);
+            } else {
+                a.free(p).unwrap();
+            }
+        }
+        let cp = a.checkpoint(pool).unwrap();
+        for &p in live.iter().step_by(2) {
+            a.free(p).unwrap();
+        }
+        for i in 0..n / 2 {
+            a.alloc_in(pool, 512 * (1 + (i as u64 * 13) % 64), 0)
+                .unwrap();
+        }
+        FreshPool { a, pool, cp, live }
+    }
+}
+
+impl Drop for FreshPool<'_> {
+    fn drop(&mut self) {
+        // Restored: the checkpoint's blocks are the pool's live ones.
+        for &p in &self.live {
+            self.a.free(p).unwrap();
+        }
+        self.a.release_pool(self.pool).unwrap();
+    }
 }
 
 fn bench(c: &mut Criterion) {
@@ -85,6 +133,25 @@ fn bench(c: &mut Criterion) {
             )
         });
         drop(cp);
+        if n == 10_000 {
+            // One allocator for every sample; each sample's pool is freed and released when
+            // the sample is dropped (after its timing), as graphs' pools come and go.
+            let (a, _) = pool_with(0);
+            let mut next = 1;
+            g.bench_with_input(BenchmarkId::new("half_changed_fresh", n), &n, |b, _| {
+                b.iter_batched(
+                    || {
+                        next += 1;
+                        FreshPool::new(&a, PoolId(0, next), n)
+                    },
+                    |s| {
+                        black_box(a.restore(s.pool, &s.cp, &[]).unwrap());
+                        s
+                    },
+                    BatchSize::PerIteration,
+                )
+            });
+        }
     }
     g.finish();
 }
