@@ -17,6 +17,7 @@
 #include <tuple>
 #include <atomic>
 #include <set>
+#include <unordered_set>
 #include <string>
 #include <vector>
 
@@ -362,6 +363,93 @@ void check_graph_state(slotpool_torch::SlotpoolAllocator& a) {
   a.releasePool(1, pool);
 }
 
+// Branch switches over and over, of hundreds of blocks and of a few, on one thread: the binding's
+// buffers, the C ABI's reused delta lists and the checkpoint's live set serve call after call,
+// and each call leaves exactly the checkpoint's allocations live. Both of PyTorch's patterns:
+// stale storages (the new blocks'), and bare storages that take the deleter of a re-created or
+// surviving block.
+void check_graph_state_repeated(slotpool_torch::SlotpoolAllocator& a) {
+  using slotpool_torch::set_checkpoint_pool_state;
+  using slotpool_torch::slotpool_delete;
+  auto* s1 = reinterpret_cast<cudaStream_t>(12);
+  const c10::Device dev(c10::DeviceType::CUDA, 1);
+  c10::MempoolId_t pool{10, 0};
+  a.createOrIncrefPool(1, pool);
+  auto alloc = [&](size_t n) {
+    a.beginAllocateToPool(1, pool, FakeCUDAGraphFilter{s1});
+    void* p = a.malloc_impl(1, n, s1);
+    a.endAllocateToPool(1, pool);
+    return p;
+  };
+  std::vector<void*> cp_live;
+  for (size_t i = 0; i < 800; ++i) {
+    void* p = alloc(512 * (i % 13 + 1));
+    if (i % 2 == 1) {
+      cp_live.push_back(p);
+    } else {
+      a.free_ptr(p, true);
+    }
+  }
+  auto cp = a.getCheckpointState(1, pool);
+  const std::unordered_set<void*> want(cp_live.begin(), cp_live.end());
+  for (size_t round = 0; round < 6; ++round) {
+    // Rounds alternate between many changes and few: every other (or every 50th) block dies.
+    const size_t step = round % 2 == 0 ? 2 : 50;
+    std::vector<void*> dead;
+    for (size_t i = round % step; i < cp_live.size(); i += step) {
+      dead.push_back(cp_live[i]);
+      a.free_ptr(cp_live[i], true);
+    }
+    std::vector<c10::intrusive_ptr<c10::StorageImpl>> fresh;
+    std::vector<c10::StorageImpl*> stale;
+    for (size_t i = 0; i < dead.size(); ++i) {
+      size_t n = 512 * ((7 * i + round) % 11 + 1) + 256;
+      void* p = alloc(n);
+      fresh.push_back(c10::make_intrusive<c10::StorageImpl>(
+          c10::StorageImpl::use_byte_size_t(), n, c10::DataPtr(p, p, &slotpool_delete, dev),
+          nullptr, false));
+      stale.push_back(fresh.back().get());
+    }
+    // Odd rounds hand deleters to bare storages over the blocks the restore re-creates.
+    std::vector<c10::intrusive_ptr<c10::StorageImpl>> bare;
+    std::vector<c10::StorageImpl*> add;
+    if (round % 2 == 1) {
+      for (void* p : dead) {
+        bare.push_back(c10::make_intrusive<c10::StorageImpl>(
+            c10::StorageImpl::use_byte_size_t(), 512, c10::DataPtr(p, dev), nullptr, false));
+        add.push_back(bare.back().get());
+      }
+    }
+    std::string msg = thrown([&] { set_checkpoint_pool_state(a, 1, cp, stale, add); });
+    expect(msg.empty(), "branch switch " + std::to_string(round) + ": " + msg);
+    expect(a.checkPoolLiveAllocations(1, pool, want),
+           "branch switch " + std::to_string(round) + " leaves the checkpoint's allocations");
+    bool swapped = true;
+    for (c10::StorageImpl* st : stale) {
+      swapped = swapped && st->data_ptr().get_deleter() == &c10::detail::deleteNothing;
+    }
+    expect(swapped, "every stale storage lost its deleter, round " + std::to_string(round));
+    fresh.clear();  // frees nothing
+    if (round % 2 == 1) {
+      bare.clear();  // they own the re-created blocks: dropping them frees those
+    } else {
+      for (void* p : dead) {
+        a.free_ptr(p, true);  // as graph trees free the re-created blocks
+      }
+    }
+    // The re-created blocks are gone again: a switch with nothing else changed brings them back.
+    msg = thrown([&] { set_checkpoint_pool_state(a, 1, cp, {}, {}); });
+    expect(msg.empty(), "switch back " + std::to_string(round) + ": " + msg);
+    expect(a.checkPoolLiveAllocations(1, pool, want),
+           "switch back " + std::to_string(round) + " leaves the checkpoint's allocations");
+  }
+  for (void* p : cp_live) {
+    a.free_ptr(p, true);
+  }
+  cp.reset();
+  a.releasePool(1, pool);
+}
+
 // setUseOnOOM / setNoSplit change one option and keep the others the pool has (here a byte
 // limit given at creation, which the shim never saw).
 void check_pool_options(slotpool_torch::SlotpoolAllocator& a) {
@@ -642,6 +730,7 @@ int main() {
 
   check_stats_routes_and_checkpoints(a);
   check_graph_state(a);
+  check_graph_state_repeated(a);
   check_pool_options(a);
   check_expandable_sizes(a);
 
