@@ -274,6 +274,15 @@ void check_stats_routes_and_checkpoints(slotpool_torch::SlotpoolAllocator& a) {
   a.releasePool(1, half);
 }
 
+// n bytes from `pool` on device 1, as a capture on stream s allocates them.
+void* capture_alloc(slotpool_torch::SlotpoolAllocator& a, c10::MempoolId_t pool, cudaStream_t s,
+                    size_t n) {
+  a.beginAllocateToPool(1, pool, FakeCUDAGraphFilter{s});
+  void* p = a.malloc_impl(1, n, s);
+  a.endAllocateToPool(1, pool);
+  return p;
+}
+
 // set_checkpoint_pool_state (what torch._C._cuda_setCheckpointPoolState becomes under slotpool),
 // on storages made here: stale storages lose the deleter, storages without one take it, and what
 // can be refused before the restore changes nothing.
@@ -293,12 +302,7 @@ void check_graph_state(slotpool_torch::SlotpoolAllocator& a) {
   };
   c10::MempoolId_t pool{9, 0};
   a.createOrIncrefPool(1, pool);
-  auto alloc = [&](size_t n) {
-    a.beginAllocateToPool(1, pool, FakeCUDAGraphFilter{s1});
-    void* p = a.malloc_impl(1, n, s1);
-    a.endAllocateToPool(1, pool);
-    return p;
-  };
+  auto alloc = [&](size_t n) { return capture_alloc(a, pool, s1, n); };
   std::vector<void*> in_cp;
   for (size_t i = 0; i < 4; ++i) {
     in_cp.push_back(alloc((i + 1) << 20));
@@ -375,12 +379,7 @@ void check_graph_state_repeated(slotpool_torch::SlotpoolAllocator& a) {
   const c10::Device dev(c10::DeviceType::CUDA, 1);
   c10::MempoolId_t pool{10, 0};
   a.createOrIncrefPool(1, pool);
-  auto alloc = [&](size_t n) {
-    a.beginAllocateToPool(1, pool, FakeCUDAGraphFilter{s1});
-    void* p = a.malloc_impl(1, n, s1);
-    a.endAllocateToPool(1, pool);
-    return p;
-  };
+  auto alloc = [&](size_t n) { return capture_alloc(a, pool, s1, n); };
   std::vector<void*> cp_live;
   for (size_t i = 0; i < 800; ++i) {
     void* p = alloc(512 * (i % 13 + 1));
