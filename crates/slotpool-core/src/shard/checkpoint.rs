@@ -72,6 +72,17 @@ pub(crate) struct RestoreScratch {
     lists: Vec<(Vec<LiveEntry>, Vec<LiveEntry>)>,
 }
 
+/// Entries a restore buffer keeps room for from one restore to the next: a restore of more
+/// changes gives its buffers back (a million changes grow them to tens of MB).
+const KEEP: usize = 1 << 20;
+
+/// Drop `v`'s memory if it grew past [`KEEP`] entries.
+fn trim<T>(v: &mut Vec<T>) {
+    if v.capacity() > KEEP {
+        *v = Vec::new();
+    }
+}
+
 /// The statistics that follow from the blocks alone (not from the segments), as current values:
 /// allocations, active blocks, allocated, active and requested bytes, inactive splits, oversize
 /// allocations. At the end of a restore they are exactly what they were at its mark (the blocks
@@ -278,6 +289,9 @@ impl Shard {
                 sort_by_addr(&mut plan.freed, &mut sc.pairs);
             }
         }
+        trim(&mut sc.keys);
+        trim(&mut sc.keys_tmp);
+        trim(&mut sc.pairs);
         // A kept allocation is live now; it survives if nothing differs at its address (it was
         // live then at the same size).
         for &(addr, _) in keep {
@@ -395,7 +409,10 @@ impl Shard {
         plan.freed.clear();
         plan.created.clear();
         pages.touched.clear();
-        sc.lists.push((plan.freed, plan.created));
+        trim(&mut pages.touched);
+        if plan.freed.capacity().max(plan.created.capacity()) <= KEEP {
+            sc.lists.push((plan.freed, plan.created));
+        }
         sc.pages = pages.touched;
         self.prune_marks();
     }
@@ -492,5 +509,20 @@ impl PageWork {
                 to.div_ceil(self.page_size) as usize,
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{KEEP, trim};
+
+    #[test]
+    fn only_buffers_grown_past_keep_are_given_back() {
+        let mut big: Vec<u64> = Vec::with_capacity(KEEP + 1);
+        trim(&mut big);
+        assert_eq!(big.capacity(), 0);
+        let mut kept: Vec<u64> = Vec::with_capacity(KEEP);
+        trim(&mut kept);
+        assert!(kept.capacity() >= KEEP);
     }
 }
