@@ -66,9 +66,6 @@ fn checkpoint(p: *const sp_checkpoint) -> Result<Arc<CheckpointObj>> {
 /// in page faults than the restore's own work on them.
 static SPARE_DELTA: Mutex<Option<RestoreDelta>> = Mutex::new(None);
 
-/// Entries a spare delta may hold room for (16 bytes each); a larger one is dropped.
-const SPARE_DELTA_MAX: usize = 1 << 20;
-
 fn take_spare_delta() -> RestoreDelta {
     SPARE_DELTA
         .lock()
@@ -78,7 +75,7 @@ fn take_spare_delta() -> RestoreDelta {
 }
 
 fn keep_spare_delta(d: RestoreDelta) {
-    if d.freed.capacity() + d.created.capacity() <= SPARE_DELTA_MAX {
+    if d.worth_keeping() {
         *SPARE_DELTA.lock().unwrap_or_else(PoisonError::into_inner) = Some(d);
     }
 }

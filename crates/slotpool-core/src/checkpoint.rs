@@ -78,3 +78,15 @@ pub struct RestoreDelta {
     /// caller owns them: (address, size).
     pub created: Vec<(DevicePtr, u64)>,
 }
+
+/// Entries a restore's buffer keeps room for from one restore to the next: a restore of more
+/// changes gives its buffers back (a million changes grow them to tens of MB).
+pub(crate) const RESTORE_BUFFER_KEEP: usize = 1 << 20;
+
+impl RestoreDelta {
+    /// Whether its lists are small enough to keep for a later restore to fill
+    /// ([`crate::Allocator::restore_checkpoint`]): room for at most a million entries each.
+    pub fn worth_keeping(&self) -> bool {
+        self.freed.capacity().max(self.created.capacity()) <= RESTORE_BUFFER_KEEP
+    }
+}

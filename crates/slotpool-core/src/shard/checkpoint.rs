@@ -6,7 +6,7 @@ use std::sync::{Arc, Weak};
 
 use crate::block::{Block, BlockId, SegmentId, SegmentKind};
 use crate::block_slab::{BlockSlab, SlabMark};
-use crate::checkpoint::{CheckpointToken, MarkHolder, RestoreDelta};
+use crate::checkpoint::{CheckpointToken, MarkHolder, RESTORE_BUFFER_KEEP, RestoreDelta};
 use crate::device::DevicePtr;
 use crate::env::Env;
 use crate::free_index::IndexMark;
@@ -72,13 +72,9 @@ pub(crate) struct RestoreScratch {
     lists: Vec<(Vec<LiveEntry>, Vec<LiveEntry>)>,
 }
 
-/// Entries a restore buffer keeps room for from one restore to the next: a restore of more
-/// changes gives its buffers back (a million changes grow them to tens of MB).
-const KEEP: usize = 1 << 20;
-
-/// Drop `v`'s memory if it grew past [`KEEP`] entries.
+/// Drop `v`'s memory if it grew past [`RESTORE_BUFFER_KEEP`] entries.
 fn trim<T>(v: &mut Vec<T>) {
-    if v.capacity() > KEEP {
+    if v.capacity() > RESTORE_BUFFER_KEEP {
         *v = Vec::new();
     }
 }
@@ -410,7 +406,7 @@ impl Shard {
         plan.created.clear();
         pages.touched.clear();
         trim(&mut pages.touched);
-        if plan.freed.capacity().max(plan.created.capacity()) <= KEEP {
+        if plan.freed.capacity().max(plan.created.capacity()) <= RESTORE_BUFFER_KEEP {
             sc.lists.push((plan.freed, plan.created));
         }
         sc.pages = pages.touched;
@@ -514,7 +510,8 @@ impl PageWork {
 
 #[cfg(test)]
 mod tests {
-    use super::{KEEP, trim};
+    use super::trim;
+    use crate::checkpoint::RESTORE_BUFFER_KEEP as KEEP;
 
     #[test]
     fn only_buffers_grown_past_keep_are_given_back() {
