@@ -22,8 +22,8 @@ use slotpool::sim::{Backing, SimConfig, SimDevice};
 
 const POOL: PoolId = PoolId(0, 1);
 
-/// A pool with `n` live blocks and `n` free holes between them.
-fn pool_with(n: usize) -> (Allocator<SimDevice>, Vec<u64>) {
+/// An allocator with [`POOL`] created, on the simulated device.
+fn allocator() -> Allocator<SimDevice> {
     let dev = Arc::new(
         SimDevice::new(SimConfig {
             backing: Backing::Accounting,
@@ -35,11 +35,14 @@ fn pool_with(n: usize) -> (Allocator<SimDevice>, Vec<u64>) {
     let a = Allocator::new(dev, Config::default());
     a.create_or_incref_pool(POOL, PoolOptions::default())
         .unwrap();
-    let mut all = Vec::with_capacity(2 * n);
-    for i in 0..2 * n {
-        let size = 512 * (1 + (i as u64 * 7) % 64);
-        all.push(a.alloc_in(POOL, size, 0).unwrap());
-    }
+    a
+}
+
+/// `n` live blocks and `n` free holes between them in `pool`: the live ones.
+fn holes(a: &Allocator<SimDevice>, pool: PoolId, n: usize) -> Vec<u64> {
+    let all: Vec<u64> = (0..2 * n as u64)
+        .map(|i| a.alloc_in(pool, 512 * (1 + (i * 7) % 64), 0).unwrap())
+        .collect();
     let mut live = Vec::with_capacity(n);
     for (i, p) in all.into_iter().enumerate() {
         if i % 2 == 0 {
@@ -48,7 +51,17 @@ fn pool_with(n: usize) -> (Allocator<SimDevice>, Vec<u64>) {
             a.free(p).unwrap();
         }
     }
-    (a, live)
+    live
+}
+
+/// Half of `live` freed and as many others allocated in `pool`.
+fn half_change(a: &Allocator<SimDevice>, pool: PoolId, live: &[u64]) {
+    for &p in live.iter().step_by(2) {
+        a.free(p).unwrap();
+    }
+    for i in 0..live.len() as u64 / 2 {
+        a.alloc_in(pool, 512 * (1 + (i * 13) % 64), 0).unwrap();
+    }
 }
 
 /// A new pool of `n` live blocks and `n` holes, checkpointed, then half changed; dropped, its
@@ -64,25 +77,9 @@ impl<'a> FreshPool<'a> {
     fn new(a: &'a Allocator<SimDevice>, pool: PoolId, n: usize) -> Self {
         a.create_or_incref_pool(pool, PoolOptions::default())
             .unwrap();
-        let mut live = Vec::with_capacity(n);
-        for i in 0..2 * n {
-            let p = a
-                .alloc_in(pool, 512 * (1 + (i as u64 * 7) % 64), 0)
-                .unwrap();
-            if i % 2 == 0 {
-                live.push(p);
-            } else {
-                a.free(p).unwrap();
-            }
-        }
+        let live = holes(a, pool, n);
         let cp = a.checkpoint(pool).unwrap();
-        for &p in live.iter().step_by(2) {
-            a.free(p).unwrap();
-        }
-        for i in 0..n / 2 {
-            a.alloc_in(pool, 512 * (1 + (i as u64 * 13) % 64), 0)
-                .unwrap();
-        }
+        half_change(a, pool, &live);
         FreshPool { a, pool, cp, live }
     }
 }
@@ -103,7 +100,8 @@ fn bench(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(2))
         .warm_up_time(Duration::from_millis(300));
     for n in [100usize, 1_000, 10_000] {
-        let (a, live) = pool_with(n);
+        let a = allocator();
+        let live = holes(&a, POOL, n);
         g.bench_with_input(BenchmarkId::new("unchanged", n), &n, |b, _| {
             b.iter(|| {
                 let cp = a.checkpoint(POOL).unwrap();
@@ -119,15 +117,7 @@ fn bench(c: &mut Criterion) {
         let cp = a.checkpoint(POOL).unwrap();
         g.bench_with_input(BenchmarkId::new("half_changed", n), &n, |b, _| {
             b.iter_batched(
-                || {
-                    for &p in live.iter().step_by(2) {
-                        a.free(p).unwrap();
-                    }
-                    for i in 0..n / 2 {
-                        a.alloc_in(POOL, 512 * (1 + (i as u64 * 13) % 64), 0)
-                            .unwrap();
-                    }
-                },
+                || half_change(&a, POOL, &live),
                 |()| black_box(a.restore(POOL, &cp, &[]).unwrap()),
                 BatchSize::PerIteration,
             )
@@ -136,7 +126,7 @@ fn bench(c: &mut Criterion) {
         if n == 10_000 {
             // One allocator for every sample; each sample's pool is freed and released when
             // the sample is dropped (after its timing), as graphs' pools come and go.
-            let (a, _) = pool_with(0);
+            let a = allocator();
             let mut next = 1;
             g.bench_with_input(BenchmarkId::new("half_changed_fresh", n), &n, |b, _| {
                 b.iter_batched(
