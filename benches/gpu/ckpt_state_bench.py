@@ -281,28 +281,30 @@ def main(argv):
     print(f"{'live blocks':>11}  {'native set':>11}  {'slotpool set':>12}  {'ratio':>7}  "
           f"{'native switch':>13}  {'slotpool switch':>15}  {'native alone':>12}  "
           f"{'slotpool alone':>14}  {'slotpool, torch binding':>23}")
+    def value(a, n, k):
+        return results.get(a, {}).get("sizes", {}).get(str(n), {}).get(k)
+
+    def cell(a, n, k):
+        v = value(a, n, k)
+        return f"{v:.1f}" if v is not None else "-"
+
     for n in sizes:
-        def cell(a, k):
-            v = results.get(a, {}).get("sizes", {}).get(str(n), {}).get(k)
-            return f"{v:.1f}" if v is not None else "-"
         ratio = report["ratio"].get(str(n))
-        print(f"{n:>11}  {cell('native', 'set_us'):>11}  {cell('slotpool', 'set_us'):>12}  "
-              f"{(f'{ratio:.0f}x' if ratio else '-'):>7}  {cell('native', 'switch_us'):>13}  "
-              f"{cell('slotpool', 'switch_us'):>15}  {cell('native', 'alloc_us'):>12}  "
-              f"{cell('slotpool', 'alloc_us'):>14}  {cell('slotpool', 'pytorch_binding_us'):>23}")
+        print(f"{n:>11}  {cell('native', n, 'set_us'):>11}  {cell('slotpool', n, 'set_us'):>12}  "
+              f"{(f'{ratio:.0f}x' if ratio else '-'):>7}  {cell('native', n, 'switch_us'):>13}  "
+              f"{cell('slotpool', n, 'switch_us'):>15}  {cell('native', n, 'alloc_us'):>12}  "
+              f"{cell('slotpool', n, 'alloc_us'):>14}  "
+              f"{cell('slotpool', n, 'pytorch_binding_us'):>23}")
     print(f"\ngraph trees' own pattern (no stale storages, the live ones take deleters; median, us)")
     print(f"{'live blocks':>11}  {'native set':>11}  {'slotpool set':>12}  {'ratio':>7}  "
           f"{'native switch':>13}  {'slotpool switch':>15}  {'slotpool, torch binding':>23}")
     for n in sizes:
-        def gcell(a, k):
-            v = results.get(a, {}).get("sizes", {}).get(str(n), {}).get(k)
-            return v
-        ns, ss = gcell("native", "gt_set_us"), gcell("slotpool", "gt_set_us")
+        ns, ss = value("native", n, "gt_set_us"), value("slotpool", n, "gt_set_us")
         ratio = f"{ns / ss:.0f}x" if ns and ss else "-"
-        fmt = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
-        print(f"{n:>11}  {fmt(ns):>11}  {fmt(ss):>12}  {ratio:>7}  "
-              f"{fmt(gcell('native', 'gt_switch_us')):>13}  {fmt(gcell('slotpool', 'gt_switch_us')):>15}  "
-              f"{fmt(gcell('slotpool', 'gt_pytorch_binding_us')):>23}")
+        print(f"{n:>11}  {cell('native', n, 'gt_set_us'):>11}  {cell('slotpool', n, 'gt_set_us'):>12}  "
+              f"{ratio:>7}  {cell('native', n, 'gt_switch_us'):>13}  "
+              f"{cell('slotpool', n, 'gt_switch_us'):>15}  "
+              f"{cell('slotpool', n, 'gt_pytorch_binding_us'):>23}")
     print("set: the torch._C call (under slotpool: slotpool's, put there by install()); switch: "
           "set + graph trees' raw_delete of the re-created blocks; alone: the allocator's "
           "setCheckpointPoolState timed in C++; torch binding: PyTorch's own torch._C function over "
