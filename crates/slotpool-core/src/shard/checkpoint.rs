@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Weak};
 
-use crate::block::{Block, BlockId, SegmentId, SegmentKind};
+use crate::block::{Block, BlockId, PageTable, SegmentId, SegmentKind};
 use crate::block_slab::{BlockSlab, SlabMark};
 use crate::checkpoint::{CheckpointToken, MarkHolder, RESTORE_BUFFER_KEEP, RestoreDelta};
 use crate::device::DevicePtr;
@@ -308,25 +308,30 @@ impl Shard {
         // The pages each re-created block takes, so that no two of them (in slots that alias
         // one page) are given the same one: none of them is live yet.
         let mut taken = rustc_hash::FxHashMap::default();
-        for e in &plan.created {
-            // Most ranges are mapped already (blocks that were live, then freed and not yet
-            // unmapped), each page to its slot alone: check them here instead of through
-            // `map_range`, which divides.
-            let (seg, addr, size) = (e.segment(), e.addr, e.size);
+        for run in segment_runs(&plan.created) {
+            let seg = run[0].segment();
             let s = &self.segments[seg];
             let SegmentKind::Vmm(pt) = &s.kind else {
                 continue;
             };
-            let (first, end) = pages.range(s.addr, addr, size);
-            if pt
-                .handle
-                .get(first..end)
-                .is_some_and(|h| h.iter().all(Option::is_some))
-                && !pt.any_shared(first, end)
-            {
+            // Most ranges are mapped already (blocks that were live, then freed and not yet
+            // unmapped), each page to its slot alone: checked here instead of through
+            // `map_range`, which divides. First over the run's whole span, which holds every
+            // page of its blocks: a graph's pool usually passes, and then no block needs its own.
+            let end = run.iter().map(|e| e.addr + e.size).max().unwrap_or(s.addr);
+            if mapped_alone(pt, pages.range(s.addr, run[0].addr, end - run[0].addr)) {
                 continue;
             }
-            self.map_slots(env, seg, first, end, false, &mut taken)?;
+            for e in run {
+                let s = &self.segments[seg];
+                let (first, end) = pages.range(s.addr, e.addr, e.size);
+                if let SegmentKind::Vmm(pt) = &s.kind
+                    && mapped_alone(pt, (first, end))
+                {
+                    continue;
+                }
+                self.map_slots(env, seg, first, end, false, &mut taken)?;
+            }
         }
         Ok(())
     }
@@ -414,38 +419,44 @@ impl Shard {
     }
 
     /// `pages_live` for a restore, over a list of live blocks sorted by address (so blocks of
-    /// one segment come in a run): adds `d` to the live counts of their vmm pages, and leaves
-    /// the idle bits to [`Shard::settle_pages`]. With `retain`, their pages are marked
-    /// graph-retained (classic segments: the whole segment).
+    /// one segment come in a run, and blocks of one page next to each other): adds `d` to the
+    /// live counts of their vmm pages, and leaves the idle bits to [`Shard::settle_pages`].
+    /// With `retain`, their pages are marked graph-retained (classic segments: the whole
+    /// segment). A page's blocks are summed first and the page written once: graph pools hold
+    /// many small blocks per page.
     fn count_pages(&mut self, w: &mut PageWork, list: &[LiveEntry], d: i32, retain: bool) {
-        let mut k = 0;
-        while k < list.len() {
-            let seg = list[k].segment;
-            let run = list[k..]
-                .iter()
-                .position(|e| e.segment != seg)
-                .unwrap_or(list.len() - k);
-            let (blocks, seg) = (&list[k..k + run], seg as SegmentId);
-            k += run;
+        for run in segment_runs(list) {
+            let seg = run[0].segment();
             let segment = &mut self.segments[seg];
             let SegmentKind::Vmm(pt) = &mut segment.kind else {
                 segment.retained |= retain;
                 continue;
             };
-            let mut retained_to = 0;
-            for e in blocks {
+            // The page being summed and its sum (`None` before the first).
+            let mut page: Option<(usize, i32)> = None;
+            let settle = |pt: &mut PageTable, touched: &mut Vec<_>, (p, sum): (usize, i32)| {
+                pt.live[p] = pt.live[p].wrapping_add_signed(sum);
+                if retain && pt.handle[p].is_some() {
+                    pt.set_retained(p, true);
+                }
+                touched.push((seg, p));
+            };
+            for e in run {
                 let (first, end) = w.range(segment.addr, e.addr, e.size);
                 pt.cover(end);
                 for p in first..end {
-                    pt.live[p] = pt.live[p].wrapping_add_signed(d);
-                    if retain && p >= retained_to && pt.handle[p].is_some() {
-                        pt.set_retained(p, true);
-                    }
-                    if w.touched.last() != Some(&(seg, p)) {
-                        w.touched.push((seg, p));
+                    match &mut page {
+                        Some((q, sum)) if *q == p => *sum += d,
+                        _ => {
+                            if let Some(done) = page.replace((p, d)) {
+                                settle(pt, &mut w.touched, done);
+                            }
+                        }
                     }
                 }
-                retained_to = retained_to.max(end);
+            }
+            if let Some(done) = page {
+                settle(pt, &mut w.touched, done);
             }
         }
     }
@@ -468,6 +479,19 @@ impl Shard {
             }
         }
     }
+}
+
+/// The runs of `list` (sorted by address) that lie in one segment each.
+fn segment_runs(list: &[LiveEntry]) -> impl Iterator<Item = &[LiveEntry]> {
+    list.chunk_by(|a, b| a.segment == b.segment)
+}
+
+/// Whether every slot of pages `[first, end)` has a page mapped, one no other slot maps.
+fn mapped_alone(pt: &PageTable, (first, end): (usize, usize)) -> bool {
+    pt.handle
+        .get(first..end)
+        .is_some_and(|h| h.iter().all(Option::is_some))
+        && !pt.any_shared(first, end)
 }
 
 /// vmm page work of a restore: live counts per block, idle bits once per page at the end.
