@@ -465,7 +465,7 @@ sp_status sp_checkpoint_restore(const sp_checkpoint* cp, void* const* keep_live,
 sp_status sp_checkpoint_info(const sp_checkpoint* cp, int* device, sp_pool_id* pool);
 
 /** Number of allocations a restore freed (0 for an invalid handle, with the reason in
- *  sp_last_error_message). */
+ *  sp_last_error_message). A delta's two lists are in no particular order. */
 size_t sp_delta_freed_count(const sp_restore_delta* d);
 /** Number of allocations a restore re-created (0 for an invalid handle, as above). */
 size_t sp_delta_created_count(const sp_restore_delta* d);

@@ -325,7 +325,7 @@ fn run_checkpoints_paged(growth: GrowthMode, page: Option<u64>, ops: &[CpOp]) {
                     .collect();
                 let before = alloc.state_dump();
                 match alloc.restore(pool, c, &keep_live) {
-                    Ok(delta) => {
+                    Ok(mut delta) => {
                         let mut freed: Vec<(u64, u64)> = live
                             .iter()
                             .filter(|x| !then.contains(x))
@@ -339,6 +339,7 @@ fn run_checkpoints_paged(growth: GrowthMode, page: Option<u64>, ops: &[CpOp]) {
                         freed.sort_unstable();
                         created.sort_unstable();
                         retained.extend(freed.iter().map(|f| f.0));
+                        delta.sort_by_address();
                         assert_eq!(delta.freed, freed, "freed");
                         assert_eq!(delta.created, created, "created");
                         // Survivors keep their bytes; re-created allocations are the

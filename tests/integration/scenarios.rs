@@ -52,7 +52,8 @@ fn checkpoint_restore_frees_new_and_recreates_old() {
         let pc = a.alloc_in(POOL, 5 * MIB, 0).unwrap();
         let pd = a.alloc_in(POOL, 512, 0).unwrap();
         check_all(&dev, &a, &[live(pb, 4096, 7)]);
-        let d = a.restore(POOL, &cp, &[pb]).unwrap();
+        let mut d = a.restore(POOL, &cp, &[pb]).unwrap();
+        d.sort_by_address();
         let mut freed = vec![(pc, a.config().policy.round_size(5 * MIB)), (pd, 512)];
         freed.sort_unstable();
         assert_eq!(d.freed, freed, "{growth:?}");

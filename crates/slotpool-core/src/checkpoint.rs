@@ -69,7 +69,8 @@ impl Drop for Checkpoint {
     }
 }
 
-/// What a restore did.
+/// What a restore did. Its lists are in no particular order (a restore reads them from the
+/// changes it logged, and ordering ten thousand of them cost a third of the restore).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RestoreDelta {
     /// Allocations live before the restore that it freed: (address, size).
@@ -84,6 +85,12 @@ pub struct RestoreDelta {
 pub(crate) const RESTORE_BUFFER_KEEP: usize = 1 << 20;
 
 impl RestoreDelta {
+    /// Both lists by address, for a caller that wants them so.
+    pub fn sort_by_address(&mut self) {
+        self.freed.sort_unstable();
+        self.created.sort_unstable();
+    }
+
     /// Whether its lists are small enough to keep for a later restore to fill
     /// ([`crate::Allocator::restore_checkpoint`]): room for at most a million entries each.
     pub fn worth_keeping(&self) -> bool {

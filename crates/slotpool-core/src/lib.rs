@@ -43,7 +43,6 @@ pub mod pool;
 pub mod route;
 pub mod shard;
 pub mod snapshot;
-mod sort;
 pub mod stats;
 pub mod sync;
 

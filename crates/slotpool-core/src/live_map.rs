@@ -96,6 +96,24 @@ pub(crate) struct LiveMark {
 struct LiveOp {
     entry: LiveEntry,
     inserted: bool,
+    /// For its address's first op since the window's base: how many ops later that address's
+    /// last op is (0: it is the only one). [`LATER_OP`] for the last op. Set by
+    /// [`LiveMap::log`]; read only for ops since the window's base (it fits in the entry's
+    /// padding).
+    later: u32,
+}
+
+/// [`LiveOp::later`] of an address's last op, when it is not also its first.
+const LATER_OP: u32 = u32::MAX;
+
+impl LiveOp {
+    fn new(entry: LiveEntry, inserted: bool) -> Self {
+        LiveOp {
+            entry,
+            inserted,
+            later: 0,
+        }
+    }
 }
 
 /// See the module documentation.
@@ -119,6 +137,8 @@ pub(crate) struct LiveMap {
     /// last op since then: a restore reads only those two, so an address changed over and over
     /// under a checkpoint keeps two ops, not one per change.
     window: FxHashMap<DevicePtr, (u64, u64)>,
+    /// Op log position of the newest mark (or restore) the window counts from.
+    window_base: u64,
 }
 
 impl Default for LiveMap {
@@ -135,6 +155,7 @@ impl Default for LiveMap {
             ops: Vec::new(),
             ops_base: 0,
             window: FxHashMap::default(),
+            window_base: 0,
         }
     }
 }
@@ -202,10 +223,7 @@ impl LiveMap {
         *self.slots.at_mut(i) = e;
         self.len += 1;
         if self.slots.logging() {
-            self.log(LiveOp {
-                entry: e,
-                inserted: true,
-            });
+            self.log(LiveOp::new(e, true));
         }
     }
 
@@ -243,10 +261,7 @@ impl LiveMap {
         *self.slots.at_mut(hole) = LiveEntry::default();
         self.len -= 1;
         if self.slots.logging() {
-            self.log(LiveOp {
-                entry: gone,
-                inserted: false,
-            });
+            self.log(LiveOp::new(gone, false));
         }
         Some(gone)
     }
@@ -254,11 +269,12 @@ impl LiveMap {
     /// Append `op`, keeping only the first and the last op of its address since the newest
     /// mark: a second op goes after the first, later ones replace the second. An insertion
     /// that is its address's only op and the log's last one, undone at once, leaves nothing.
-    fn log(&mut self, op: LiveOp) {
+    fn log(&mut self, mut op: LiveOp) {
         let end = self.ops_base + self.ops.len() as u64;
         match self.window.get_mut(&op.entry.addr) {
             None => {
                 self.window.insert(op.entry.addr, (end, end));
+                op.later = 0;
                 self.ops.push(op);
             }
             Some(&mut (first, last)) if first == last => {
@@ -267,10 +283,15 @@ impl LiveMap {
                     self.window.remove(&op.entry.addr);
                 } else {
                     self.window.insert(op.entry.addr, (first, end));
+                    // Under 4G ops: each takes 40 bytes.
+                    self.ops[(first - self.ops_base) as usize].later =
+                        u32::try_from(end - first).expect("op log under 4G ops");
+                    op.later = LATER_OP;
                     self.ops.push(op);
                 }
             }
             Some(&mut (_, last)) => {
+                op.later = LATER_OP;
                 self.ops[(last - self.ops_base) as usize] = op;
             }
         }
@@ -311,10 +332,7 @@ impl LiveMap {
             if !e.is_empty() {
                 *self.slots.at_mut(i) = LiveEntry::default();
                 if self.slots.logging() {
-                    self.log(LiveOp {
-                        entry: e,
-                        inserted: false,
-                    });
+                    self.log(LiveOp::new(e, false));
                 }
             }
         }
@@ -323,10 +341,11 @@ impl LiveMap {
 
     pub(crate) fn mark(&mut self) -> LiveMark {
         self.window.clear();
+        self.window_base = self.ops_base + self.ops.len() as u64;
         LiveMark {
             slots: self.slots.mark(),
             len: self.len,
-            ops: self.ops_base + self.ops.len() as u64,
+            ops: self.window_base,
         }
     }
 
@@ -338,74 +357,63 @@ impl LiveMap {
             .min(self.ops.len())
     }
 
-    /// What differs between the map at `m` and now, by address: `freed` gets the allocations
-    /// live now and not then, `created` those live then and not now. An address that holds
-    /// another allocation now than then (freed and allocated again since, at any size) is in
-    /// both; one whose allocation is the same at both ends ([`LiveEntry::serial`]) drops out.
-    /// Costs the ops logged since `m`, sorted by address; `keys` and `tmp` are buffers.
+    /// What differs between the map at `m` and now, in the order the addresses first changed
+    /// since `m`: `freed` gets the allocations live now and not then, `created` those live then
+    /// and not now. An address that holds another allocation now than then (freed and allocated
+    /// again since, at any size) is in both; one whose allocation is the same at both ends
+    /// ([`LiveEntry::serial`]) drops out. Costs the ops logged since `m`: since the newest mark
+    /// each address has at most two, the first linked to the last ([`LiveOp::later`]); since
+    /// an older one `ends` (a buffer) collects each address's first and last.
     pub(crate) fn changes_since(
         &self,
         m: LiveMark,
-        keys: &mut Vec<u64>,
-        tmp: &mut Vec<u64>,
+        ends: &mut FxHashMap<DevicePtr, (usize, usize)>,
         freed: &mut Vec<LiveEntry>,
         created: &mut Vec<LiveEntry>,
     ) {
-        let ops = &self.ops[self.ops_start(m)..];
-        if ops.is_empty() {
-            return;
-        }
-        // Each op as one u64, its address above its index, sorted by address: the ops of one
-        // address keep their order (the sort is stable), so the first says what the address
-        // held then (a removal: that entry; an insertion: nothing) and the last what it holds
-        // now. Eight bytes an op: the sort moves a third of what whole entries would.
-        let (mut lo, mut hi, mut any) = (u64::MAX, 0, 0);
-        for op in ops {
-            lo = lo.min(op.entry.addr);
-            hi = hi.max(op.entry.addr);
-            any |= op.entry.addr;
-        }
-        // Addresses are multiples of 512: drop the zero bits they share.
-        let zeros = any.trailing_zeros().min(63);
-        let addr_bits = crate::sort::bits((hi - lo) >> zeros);
-        let idx_bits = crate::sort::bits(ops.len() as u64);
-        let packed = addr_bits + idx_bits <= 64;
-        keys.clear();
-        if packed {
-            keys.extend(
-                ops.iter()
-                    .enumerate()
-                    .map(|(k, op)| ((op.entry.addr - lo) >> zeros) << idx_bits | k as u64),
-            );
-            crate::sort::radix_sort(keys, tmp, addr_bits, |&x| x >> idx_bits);
-        } else {
-            keys.extend(0..ops.len() as u64);
-            keys.sort_by_key(|&k| ops[k as usize].entry.addr);
-        }
-        let mask = if packed {
-            (1 << idx_bits) - 1
-        } else {
-            u64::MAX
-        };
-        let mut k = 0;
-        while k < keys.len() {
-            let first = &ops[(keys[k] & mask) as usize];
-            let mut last = first;
-            k += 1;
-            while k < keys.len() && ops[(keys[k] & mask) as usize].entry.addr == first.entry.addr {
-                last = &ops[(keys[k] & mask) as usize];
-                k += 1;
-            }
+        let start = self.ops_start(m);
+        let ops = &self.ops[start..];
+        // The first op says what the address held then (a removal: that entry; an insertion:
+        // nothing), the last what it holds now.
+        let mut net = |first: &LiveOp, last: &LiveOp| {
             let then = (!first.inserted).then_some(first.entry);
             let now = last.inserted.then_some(last.entry);
             if let (Some(t), Some(n)) = (then, now)
                 && t.serial == n.serial
             {
                 debug_assert_eq!(t, n, "one allocation, two entries");
-                continue;
+                return;
             }
-            freed.extend(now);
-            created.extend(then);
+            if let Some(n) = now {
+                freed.push(n);
+            }
+            if let Some(t) = then {
+                created.push(t);
+            }
+        };
+        if m.ops == self.window_base {
+            for (k, op) in ops.iter().enumerate() {
+                match op.later {
+                    LATER_OP => {}
+                    0 => net(op, op),
+                    later => net(op, &ops[k + later as usize]),
+                }
+            }
+        } else {
+            ends.clear();
+            for (k, op) in ops.iter().enumerate() {
+                ends.entry(op.entry.addr)
+                    .and_modify(|e| e.1 = k)
+                    .or_insert((k, k));
+            }
+            // In the order of each address's first op: its position in the log.
+            for (k, op) in ops.iter().enumerate() {
+                if let Some(&(first, last)) = ends.get(&op.entry.addr)
+                    && first == k
+                {
+                    net(op, &ops[last]);
+                }
+            }
         }
     }
 
@@ -422,14 +430,8 @@ impl LiveMap {
         self.slots.restore(m.slots, journaled);
         self.len = m.len;
         if journaled {
-            let removed = freed.iter().map(|&entry| LiveOp {
-                entry,
-                inserted: false,
-            });
-            let inserted = created.iter().map(|&entry| LiveOp {
-                entry,
-                inserted: true,
-            });
+            let removed = freed.iter().map(|&entry| LiveOp::new(entry, false));
+            let inserted = created.iter().map(|&entry| LiveOp::new(entry, true));
             for op in removed.chain(inserted) {
                 self.log(op);
             }
@@ -437,6 +439,7 @@ impl LiveMap {
             let start = self.ops_start(m);
             self.ops.truncate(start);
             self.window.clear();
+            self.window_base = m.ops;
         }
     }
 
@@ -528,10 +531,11 @@ mod tests {
 
     proptest! {
         /// Against a `BTreeMap` and a copy of it per mark: lookups, the invariants after every
-        /// step, restores to any open mark in any order, and `changes_since` naming exactly the
-        /// addresses whose allocation differs (another one, at any size, or one on one side
-        /// only), by address. Sizes come from a set of three, so that an address is often freed
-        /// and allocated again at its size.
+        /// step, restores to any open mark in any order (the newest, read through the window,
+        /// and older ones), and `changes_since` naming exactly the addresses whose allocation
+        /// differs (another one, at any size, or one on one side only), each once. Sizes come
+        /// from a set of three, so that an address is often freed and allocated again at its
+        /// size.
         #[test]
         fn matches_a_map_through_marks_and_restores(ops in prop::collection::vec(op(), 1..400)) {
             let mut m = LiveMap::default();
@@ -569,11 +573,13 @@ mod tests {
                         let (mut freed, mut created) = (Vec::new(), Vec::new());
                         m.changes_since(
                             marks[k].0,
-                            &mut Vec::new(),
-                            &mut Vec::new(),
+                            &mut FxHashMap::default(),
                             &mut freed,
                             &mut created,
                         );
+                        // In no particular order: each list by address against the model's.
+                        freed.sort_by_key(|e| e.addr);
+                        created.sort_by_key(|e| e.addr);
                         // Exactly the addresses whose allocation differs (or that exist on one
                         // side), whole entries: a restore brings back the checkpoint's own.
                         let want_freed: Vec<LiveEntry> = now

@@ -20,7 +20,6 @@ const CHAIN: &[&str] = &[
     "peak",
     "id_slab",
     "paged",
-    "sort",
     "block",
     "counted",
     "error",

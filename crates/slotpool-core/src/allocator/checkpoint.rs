@@ -240,7 +240,6 @@ impl<D: Device> Allocator<D> {
                 Err(other) => return Err(crate::allocator::shard_error(other)),
             }
         }
-        let plans_len = plans.len();
         delta.freed.clear();
         delta.created.clear();
         delta
@@ -254,11 +253,6 @@ impl<D: Device> Allocator<D> {
             shard.restore_apply(&env, plan, &mut delta, scratch);
         }
         drop(guards);
-        // Each shard's lists are in address order already.
-        if plans_len > 1 {
-            delta.freed.sort_unstable();
-            delta.created.sort_unstable();
-        }
         Ok(delta)
     }
 

@@ -12,9 +12,9 @@ use crate::env::Env;
 use crate::free_index::IndexMark;
 use crate::live_map::{LiveEntry, LiveMap, LiveMark};
 use crate::sync::lock;
+use rustc_hash::FxHashMap;
 
 use super::{Shard, ShardCell, ShardError};
-use crate::sort::{bits, radix_sort};
 
 use crate::error::RestoreDiff;
 use crate::stats::{MemoryStats, StatArray};
@@ -40,19 +40,19 @@ pub(crate) struct Mark {
 pub(crate) struct Plan {
     /// The checkpoint's token (`None`: the shard is newer than the checkpoint).
     token: Option<u64>,
-    /// Live now, not at the checkpoint (or at another size), by address.
+    /// Live now, not at the checkpoint (or at another size).
     freed: Vec<LiveEntry>,
-    /// Live at the checkpoint, not now (or at another size), by address.
+    /// Live at the checkpoint, not now (or at another size).
     created: Vec<LiveEntry>,
 }
 
 impl Plan {
-    /// Allocations the restore frees: (address, size), by address.
+    /// Allocations the restore frees: (address, size).
     pub(crate) fn freed(&self) -> impl ExactSizeIterator<Item = (DevicePtr, u64)> + '_ {
         self.freed.iter().map(|e| (e.addr, e.size))
     }
 
-    /// Allocations the restore re-creates: (address, size), by address.
+    /// Allocations the restore re-creates: (address, size).
     pub(crate) fn created(&self) -> impl ExactSizeIterator<Item = (DevicePtr, u64)> + '_ {
         self.created.iter().map(|e| (e.addr, e.size))
     }
@@ -63,9 +63,8 @@ impl Plan {
 /// page-faults) nothing, even on a pool it has never restored, as a new graph's is.
 #[derive(Debug, Default)]
 pub(crate) struct RestoreScratch {
-    keys: Vec<u64>,
-    keys_tmp: Vec<u64>,
-    pairs: Vec<LiveEntry>,
+    /// Each changed address's first and last op ([`LiveMap::changes_since`]).
+    ends: FxHashMap<DevicePtr, (usize, usize)>,
     pages: Vec<(SegmentId, usize)>,
     /// A plan's freed / created lists, one pair per shard of the restore, given back by
     /// [`Shard::restore_apply`].
@@ -76,6 +75,13 @@ pub(crate) struct RestoreScratch {
 fn trim<T>(v: &mut Vec<T>) {
     if v.capacity() > RESTORE_BUFFER_KEEP {
         *v = Vec::new();
+    }
+}
+
+/// [`trim`] for a map.
+fn trim_map<K, V>(m: &mut FxHashMap<K, V>) {
+    if m.capacity() > RESTORE_BUFFER_KEEP {
+        *m = FxHashMap::default();
     }
 }
 
@@ -146,21 +152,6 @@ impl BlockStats {
             shard.count_allocated(env, bytes);
         }
     }
-}
-
-/// Sort live entries by address, keeping the order of equal addresses.
-pub(crate) fn sort_by_addr(v: &mut Vec<LiveEntry>, tmp: &mut Vec<LiveEntry>) {
-    let (mut lo, mut hi, mut any) = (u64::MAX, 0, 0);
-    for e in v.iter() {
-        lo = lo.min(e.addr);
-        hi = hi.max(e.addr);
-        any |= e.addr;
-    }
-    // Addresses are multiples of 512: drop the zero bits they share.
-    let zeros = any.trailing_zeros().min(63);
-    radix_sort(v, tmp, bits(hi.saturating_sub(lo) >> zeros), |e| {
-        (e.addr - lo) >> zeros
-    });
 }
 
 impl MarkHolder for ShardCell {
@@ -272,30 +263,23 @@ impl Shard {
                     ));
                     return plan;
                 };
-                self.live.changes_since(
-                    m.live,
-                    &mut sc.keys,
-                    &mut sc.keys_tmp,
-                    &mut plan.freed,
-                    &mut plan.created,
-                );
+                self.live
+                    .changes_since(m.live, &mut sc.ends, &mut plan.freed, &mut plan.created);
+                trim_map(&mut sc.ends);
             }
-            None => {
-                plan.freed.extend(self.live.iter().copied());
-                sort_by_addr(&mut plan.freed, &mut sc.pairs);
-            }
+            None => plan.freed.extend(self.live.iter().copied()),
         }
-        trim(&mut sc.keys);
-        trim(&mut sc.keys_tmp);
-        trim(&mut sc.pairs);
         // A kept allocation is live now; it survives if nothing differs at its address (it was
         // live then at the same size).
-        for &(addr, _) in keep {
-            if let Ok(k) = plan.freed.binary_search_by_key(&addr, |e| e.addr) {
-                let size = plan.freed[k].size;
-                diff.mismatches.push(format!(
-                    "{addr:#x}+{size} must stay live but the checkpoint does not have it"
-                ));
+        if !keep.is_empty() {
+            let freed: FxHashMap<DevicePtr, u64> =
+                plan.freed.iter().map(|e| (e.addr, e.size)).collect();
+            for &(addr, _) in keep {
+                if let Some(size) = freed.get(&addr) {
+                    diff.mismatches.push(format!(
+                        "{addr:#x}+{size} must stay live but the checkpoint does not have it"
+                    ));
+                }
             }
         }
         plan
@@ -307,7 +291,7 @@ impl Shard {
         let pages = PageWork::new(env.page_size(), Vec::new());
         // The pages each re-created block takes, so that no two of them (in slots that alias
         // one page) are given the same one: none of them is live yet.
-        let mut taken = rustc_hash::FxHashMap::default();
+        let mut taken = FxHashMap::default();
         for run in segment_runs(&plan.created) {
             let seg = run[0].segment();
             let s = &self.segments[seg];
@@ -318,8 +302,9 @@ impl Shard {
             // unmapped), each page to its slot alone: checked here instead of through
             // `map_range`, which divides. First over the run's whole span, which holds every
             // page of its blocks: a graph's pool usually passes, and then no block needs its own.
+            let from = run.iter().map(|e| e.addr).min().unwrap_or(s.addr);
             let end = run.iter().map(|e| e.addr + e.size).max().unwrap_or(s.addr);
-            if mapped_alone(pt, pages.range(s.addr, run[0].addr, end - run[0].addr)) {
+            if mapped_alone(pt, pages.range(s.addr, from, end - from)) {
                 continue;
             }
             for e in run {
@@ -418,46 +403,64 @@ impl Shard {
         self.prune_marks();
     }
 
-    /// `pages_live` for a restore, over a list of live blocks sorted by address (so blocks of
-    /// one segment come in a run, and blocks of one page next to each other): adds `d` to the
+    /// `pages_live` for a restore, over a list of live blocks in any order: adds `d` to the
     /// live counts of their vmm pages, and leaves the idle bits to [`Shard::settle_pages`].
     /// With `retain`, their pages are marked graph-retained (classic segments: the whole
-    /// segment). A page's blocks are summed first and the page written once: graph pools hold
-    /// many small blocks per page.
+    /// segment). Blocks that come one after another on one page (graph pools hold many small
+    /// blocks a page, and a list often lists a segment's together) are summed first and the
+    /// page written once.
     fn count_pages(&mut self, w: &mut PageWork, list: &[LiveEntry], d: i32, retain: bool) {
-        for run in segment_runs(list) {
-            let seg = run[0].segment();
-            let segment = &mut self.segments[seg];
-            let SegmentKind::Vmm(pt) = &mut segment.kind else {
-                segment.retained |= retain;
-                continue;
-            };
-            // The page being summed and its sum (`None` before the first).
-            let mut page: Option<(usize, i32)> = None;
-            let settle = |pt: &mut PageTable, touched: &mut Vec<_>, (p, sum): (usize, i32)| {
+        // Page `p` of segment `seg` gets `sum` (`p` is `usize::MAX` before the first).
+        let settle = |pt: &mut PageTable, touched: &mut Vec<_>, seg, p: usize, sum: i32| {
+            if p != usize::MAX {
                 pt.live[p] = pt.live[p].wrapping_add_signed(sum);
                 if retain && pt.handle[p].is_some() {
                     pt.set_retained(p, true);
                 }
                 touched.push((seg, p));
-            };
-            for e in run {
-                let (first, end) = w.range(segment.addr, e.addr, e.size);
-                pt.cover(end);
-                for p in first..end {
-                    match &mut page {
-                        Some((q, sum)) if *q == p => *sum += d,
-                        _ => {
-                            if let Some(done) = page.replace((p, d)) {
-                                settle(pt, &mut w.touched, done);
-                            }
-                        }
+            }
+        };
+        // The segment of the block before (its id, address and pages: `None` for a classic
+        // one), the page being summed and its sum.
+        let (mut seg, mut base, mut pt) = (SegmentId::MAX, 0, None::<&mut PageTable>);
+        let (mut page, mut sum) = (usize::MAX, 0);
+        for e in list {
+            if e.segment() != seg {
+                if let Some(pt) = pt.as_deref_mut() {
+                    settle(pt, &mut w.touched, seg, page, sum);
+                }
+                (seg, page) = (e.segment(), usize::MAX);
+                let segment = &mut self.segments[seg];
+                base = segment.addr;
+                pt = match &mut segment.kind {
+                    SegmentKind::Vmm(pt) => Some(pt),
+                    _ => {
+                        segment.retained |= retain;
+                        None
                     }
+                };
+            }
+            let Some(pt) = pt.as_deref_mut() else {
+                continue;
+            };
+            let (first, end) = w.range(base, e.addr, e.size);
+            // Most blocks lie on the page of the block before: one addition.
+            if first == page && end == page + 1 {
+                sum += d;
+                continue;
+            }
+            pt.cover(end);
+            for p in first..end {
+                if p == page {
+                    sum += d;
+                } else {
+                    settle(pt, &mut w.touched, seg, page, sum);
+                    (page, sum) = (p, d);
                 }
             }
-            if let Some(done) = page {
-                settle(pt, &mut w.touched, done);
-            }
+        }
+        if let Some(pt) = pt {
+            settle(pt, &mut w.touched, seg, page, sum);
         }
     }
 
@@ -481,7 +484,7 @@ impl Shard {
     }
 }
 
-/// The runs of `list` (sorted by address) that lie in one segment each.
+/// The runs of `list` that lie in one segment each (a segment may have several).
 fn segment_runs(list: &[LiveEntry]) -> impl Iterator<Item = &[LiveEntry]> {
     list.chunk_by(|a, b| a.segment == b.segment)
 }
