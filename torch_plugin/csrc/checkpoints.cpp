@@ -141,21 +141,22 @@ void SlotpoolAllocator::restore_graph_state(std::shared_ptr<CheckpointState> sta
   check(sp_checkpoint_restore(state->cp, none, 0, &delta.p), "sp_checkpoint_restore");
   delta_ptrs(delta.p, /*created=*/false, out.freed);
   delta_ptrs(delta.p, /*created=*/true, out.created);
-  for (std::vector<void*>* v : {&out.freed, &out.created}) {
-    if (!std::is_sorted(v->begin(), v->end())) {
-      std::sort(v->begin(), v->end());
-    }
-  }
   out.state = std::move(state);
 }
 
+PtrSet GraphRestore::created_set(std::vector<uintptr_t>& slots) const {
+  PtrSet set(created.size(), slots);
+  for (void* p : created) {
+    set.insert(p);
+  }
+  return set;
+}
+
 void GraphRestore::for_each_survivor(const std::function<void(void*)>& f) const {
-  auto next_created = created.begin();
+  std::vector<uintptr_t> slots;
+  const PtrSet made = created_set(slots);
   for (void* p : state->live) {
-    while (next_created != created.end() && *next_created < p) {
-      ++next_created;
-    }
-    if (next_created == created.end() || *next_created != p) {
+    if (!made.contains(p)) {
       f(p);
     }
   }
@@ -166,7 +167,7 @@ CCA::CheckpointDelta SlotpoolAllocator::setCheckpointPoolState(
   // PyTorch's contract: every allocation live before is "freed", every allocation of the
   // checkpoint is "allocated" (survivors, live in both, appear in both lists). Live before: what
   // the restore freed, and the survivors, which are the checkpoint's allocations the restore did
-  // not re-create. Both lists in address order.
+  // not re-create.
   GraphRestore r;
   restore_graph_state(graph_checkpoint_state(device, pps), r);
   const std::vector<void*>& live_after = r.state->live;

@@ -6,9 +6,10 @@
 // live in the checkpoint, one pointer per allocation live before) and then builds four node-based
 // hash sets over it, one of them copied by value, to check the stale storages and hand out
 // deleters. At 10,000 live blocks that bookkeeping alone costs milliseconds, more than slotpool's
-// restore. This file does the same work on the restore's own sorted lists (GraphRestore): open-
-// addressing sets (ptr_set.h; the checkpoint's live set is built once, with the checkpoint),
-// merges of sorted lists, and a DataPtr only for a storage that takes one.
+// restore. This file does the same work on the restore's own lists (GraphRestore) with open-
+// addressing sets (ptr_set.h; the checkpoint's live set is built once, with the checkpoint), and
+// a DataPtr only for a storage that takes one. Each storage is visited once: its deleter changes
+// when it is checked, and a call that fails puts every changed deleter back.
 //
 // Same contract as PyTorch's binding (torch/csrc/cuda/Module.cpp, PyTorch 2.11):
 //   1. stale storages are taken once each, in the caller's order;
@@ -19,18 +20,18 @@
 //   4. each storage in storages_to_add_deleters_to whose pointer is live in the checkpoint, and
 //      which has no deleter context, takes an owning DataPtr with the allocator's deleter (the
 //      last such storage of a pointer wins, as in PyTorch's map).
-// It checks more before it changes anything: a state that is not slotpool's, a stale storage with
-// a foreign deleter, or a storage to add a deleter to that already has one is refused before the
-// restore, so such a call changes nothing. The checks that need the restore's lists (2, 3) come
-// after it, as in PyTorch.
+// It checks more before it restores: a state that is not slotpool's, a stale storage with a
+// foreign deleter, or a storage to add a deleter to that already has one is refused before the
+// restore, and such a call changes nothing. The checks that need the restore's lists (2, 3) come
+// after it, as in PyTorch; a call they refuse has restored the pool and changed no storage.
 #include "internal.h"
 #include "ptr_set.h"
 
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace slotpool_torch {
@@ -41,11 +42,17 @@ namespace {
 // below hold a few hundred KB, which a fresh allocation takes page by page from a heap that was
 // trimmed in between: graph trees call this at every branch switch.
 struct Scratch {
-  std::vector<uintptr_t> seen, freed;       // PtrSet tables
-  std::vector<c10::StorageImpl*> stale;     // (1), each storage once
-  std::vector<void*> stale_ptrs;            // their data pointers, read once
-  std::vector<c10::StorageImpl*> taking;    // (4)
-  GraphRestore restore;                     // the restore's lists
+  std::vector<uintptr_t> seen, freed, created;  // PtrSet tables
+  std::vector<c10::StorageImpl*> stale;         // (1), each storage once
+  std::vector<void*> stale_ptrs;                // their data pointers, read once
+  // (4): each storage that took a deleter, with the deleter and device its DataPtr had.
+  struct Taken {
+    c10::StorageImpl* s;
+    c10::DeleterFnPtr deleter;
+    c10::Device device;
+  };
+  std::vector<Taken> taken;
+  GraphRestore restore;  // the restore's lists
 };
 
 // Storages are read this many places ahead of the one being checked: they lie wherever PyTorch
@@ -61,20 +68,26 @@ void prefetch_storage(const std::vector<c10::StorageImpl*>& v, size_t i) {
   }
 }
 
-// Elements of sorted `a` that are not in sorted `b`.
-size_t count_not_in(const std::vector<void*>& a, const std::vector<void*>& b) {
-  size_t n = 0;
-  auto j = b.begin();
-  for (void* p : a) {
-    while (j != b.end() && *j < p) {
-      ++j;
+// The storages' deleters as a call found them, until it commits: stale storages get ours back,
+// storages that took a DataPtr their bare one.
+struct Undo {
+  Scratch& sc;
+  const c10::DeleterFnPtr ours;
+  bool committed = false;
+  ~Undo() {
+    if (committed) {
+      return;
     }
-    if (j == b.end() || *j != p) {
-      n++;
+    for (c10::StorageImpl* s : sc.stale) {
+      (void)s->mutable_data_ptr().compare_exchange_deleter(&c10::detail::deleteNothing, ours);
+    }
+    for (const Scratch::Taken& t : sc.taken) {
+      // Ours lets go of the block first: dropped with its context, it would free it.
+      void* p = t.s->mutable_data_ptr().release_context();
+      t.s->set_data_ptr_noswap(c10::DataPtr(p, nullptr, t.deleter, t.device));
     }
   }
-  return n;
-}
+};
 
 }  // namespace
 
@@ -84,18 +97,20 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
                                const std::vector<c10::StorageImpl*>& storages_to_add_deleters_to) {
   const c10::DeleterFnPtr ours = &slotpool_delete;
   thread_local Scratch sc;
+  sc.stale.clear();
+  sc.stale_ptrs.clear();
+  sc.taken.clear();
   // The restore's lists hold the checkpoint state: let it go however this call ends.
   struct Release {
     Scratch& sc;
     ~Release() { sc.restore.state.reset(); }
   } release{sc};
+  std::shared_ptr<CheckpointState> cp = graph_checkpoint_state(device, state);
+  const PtrSet live_set = PtrSet::filled(cp->live_set);
+  Undo undo{sc, ours};
 
-  // (1) Each stale storage once, in order; a foreign deleter is refused before anything changes.
-  // Each storage is read here once for its pointer, and written once at the end.
-  std::vector<c10::StorageImpl*>& stale = sc.stale;
-  std::vector<void*>& stale_ptrs = sc.stale_ptrs;
-  stale.clear();
-  stale_ptrs.clear();
+  // (1, 3) Each stale storage once, in order: a foreign deleter is refused, ours becomes
+  // deleteNothing. Each storage is read and written here once.
   {
     PtrSet seen(stale_storages.size(), sc.seen);
     for (size_t i = 0; i < stale_storages.size(); ++i) {
@@ -103,34 +118,32 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
       c10::StorageImpl* s = stale_storages[i];
       TORCH_CHECK(s != nullptr, "slotpool: a null stale storage");
       if (seen.insert(s)) {
-        const c10::DataPtr& d = s->data_ptr();
-        TORCH_CHECK(d.get_deleter() == ours,
+        c10::DataPtr& d = s->mutable_data_ptr();
+        TORCH_CHECK(d.compare_exchange_deleter(ours, &c10::detail::deleteNothing),
                     "Unexpected deleter function on storage, could not swap function");
-        stale.push_back(s);
-        stale_ptrs.push_back(d.get());
+        sc.stale.push_back(s);
+        sc.stale_ptrs.push_back(d.get());
       }
     }
   }
-  std::shared_ptr<CheckpointState> cp = graph_checkpoint_state(device, state);
-  const std::vector<void*>& live_after = cp->live;  // what the restore leaves live
-  const PtrSet live_set = PtrSet::filled(cp->live_set);
-  // (4, before) The storages that take a deleter: the last one per pointer that is live in the
-  // checkpoint. Each must have no deleter context.
-  std::vector<c10::StorageImpl*>& taking = sc.taking;
-  taking.clear();
+  // (4) The storages that take a deleter: the last one per pointer that is live in the
+  // checkpoint. Each must have no deleter context; it takes an owning DataPtr.
   {
     PtrSet seen(storages_to_add_deleters_to.size(), sc.seen);
     const std::vector<c10::StorageImpl*>& add = storages_to_add_deleters_to;
+    const c10::Device dev(c10::DeviceType::CUDA, device);
     for (size_t i = add.size(); i-- > 0;) {
       if (i >= kAhead) {
         prefetch_storage(add, i - kAhead);
       }
       c10::StorageImpl* s = add[i];
       TORCH_CHECK(s != nullptr, "slotpool: a null storage to add a deleter to");
-      void* p = s->data_ptr().get();
+      const c10::DataPtr& d = s->data_ptr();
+      void* p = d.get();
       if (seen.insert(p) && live_set.contains(p)) {
-        TORCH_CHECK(s->data_ptr().get_context() == nullptr, " Not expecting deleter function");
-        taking.push_back(s);
+        TORCH_CHECK(d.get_context() == nullptr, " Not expecting deleter function");
+        sc.taken.push_back({s, d.get_deleter(), d.device()});
+        s->set_data_ptr_noswap(c10::DataPtr(p, p, ours, dev));
       }
     }
   }
@@ -139,41 +152,33 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
   a.restore_graph_state(std::move(cp), r);
 
   // (2) Every pointer freed for good comes with its stale storage.
-  const size_t definitely_freed = count_not_in(r.freed, live_after);
-  TORCH_CHECK(stale.size() >= definitely_freed,
+  size_t definitely_freed = 0;
+  for (void* p : r.freed) {
+    definitely_freed += live_set.contains(p) ? 0 : 1;
+  }
+  TORCH_CHECK(sc.stale.size() >= definitely_freed,
               "Any stale tensors which are being manually freed must be passed to set checkpoint");
 
-  // (3) Stale storages point at freed memory; they lose their deleters.
-  if (!stale.empty()) {
-    // PyTorch's "freed" list: what the restore freed, and the survivors (live before and after).
+  // (3) Stale storages point at freed memory: what the restore freed, or a survivor (live
+  // before and after: PyTorch lists those as freed too).
+  if (!sc.stale.empty()) {
     PtrSet freed(r.freed.size(), sc.freed);
     for (void* p : r.freed) {
       freed.insert(p);
     }
-    auto was_freed = [&](void* p) {
-      return freed.contains(p) ||
-             (live_set.contains(p) &&
-              !std::binary_search(r.created.begin(), r.created.end(), p));
-    };
-    for (void* p : stale_ptrs) {
-      TORCH_CHECK(was_freed(p), "slotpool: a stale storage whose memory the restore did not free");
-    }
-    for (size_t i = 0; i < stale.size(); ++i) {
-      prefetch_storage(stale, i + kAhead);
-      c10::StorageImpl* s = stale[i];
-      TORCH_CHECK(s->mutable_data_ptr().compare_exchange_deleter(ours, &c10::detail::deleteNothing),
-                  "Unexpected deleter function on storage, could not swap function");
+    std::optional<PtrSet> created;  // made for the first stale pointer the restore did not free
+    for (void* p : sc.stale_ptrs) {
+      if (freed.contains(p)) {
+        continue;
+      }
+      if (!created) {
+        created = r.created_set(sc.created);
+      }
+      TORCH_CHECK(live_set.contains(p) && !created->contains(p),
+                  "slotpool: a stale storage whose memory the restore did not free");
     }
   }
-
-  // (4) The storages found above take an owning DataPtr.
-  const c10::Device dev(c10::DeviceType::CUDA, device);
-  for (size_t i = 0; i < taking.size(); ++i) {
-    prefetch_storage(taking, i + kAhead);
-    c10::StorageImpl* s = taking[i];
-    void* p = s->data_ptr().get();
-    s->set_data_ptr_noswap(c10::DataPtr(p, p, ours, dev));
-  }
+  undo.committed = true;
 }
 
 }  // namespace slotpool_torch

@@ -81,6 +81,7 @@
 #include <utility>
 #include <vector>
 
+#include "ptr_set.h"
 #include "slotpool.h"
 
 namespace slotpool_torch {
@@ -134,11 +135,13 @@ struct RestoreResult {
 struct CheckpointState;
 
 // What a restore of a getCheckpointState state did, as both setCheckpointPoolState and
-// set_checkpoint_pool_state (graph_state.cpp) read it. Every list in address order.
+// set_checkpoint_pool_state (graph_state.cpp) read it. Its lists are in no particular order.
 struct GraphRestore {
   std::vector<void*> freed;    // live before, freed by the restore
   std::vector<void*> created;  // re-created by the restore
   std::shared_ptr<CheckpointState> state;  // state->live: what is live in the pool now
+  // The set of `created`, in `slots` (a table the caller keeps).
+  PtrSet created_set(std::vector<uintptr_t>& slots) const;
   // Calls f for each survivor: live in the checkpoint and before the restore, untouched by it
   // (state->live less created), lowest address first.
   void for_each_survivor(const std::function<void(void*)>& f) const;

@@ -353,12 +353,27 @@ void check_graph_state(slotpool_torch::SlotpoolAllocator& a) {
   expect(a.checkPoolLiveAllocations(1, pool, {in_cp[1], in_cp[2], in_cp[3]}),
          "dropping the storages freed only the one that took the deleter");
 
-  // A block freed for good without its stale storage: refused (after the restore, as PyTorch).
+  // A block freed for good without its stale storage: refused (after the restore, as PyTorch),
+  // and every storage the call changed gets its deleter back: the stale one ours, the bare one
+  // none.
   void* n3 = alloc(5 << 20);
-  msg = thrown([&] { set_checkpoint_pool_state(a, 1, cp, {}, {}); });
+  void* n4 = alloc(3 << 20);
+  auto st4 = owned(n4, 3 << 20);
+  auto over1 = bare(in_cp[1], 2 << 20);
+  msg = thrown([&] { set_checkpoint_pool_state(a, 1, cp, {st4.get()}, {over1.get()}); });
   expect(msg.find("stale tensors") != std::string::npos, "a missing stale storage: " + msg);
   expect(a.checkPoolLiveAllocations(1, pool, {cp_live.begin(), cp_live.end()}),
          "the restore before the refusal returned the pool to the checkpoint");
+  expect(st4->data_ptr().get_deleter() == &slotpool_delete,
+         "the refused call gave the stale storage its deleter back");
+  expect(over1->data_ptr().get_deleter() != &slotpool_delete &&
+             over1->data_ptr().get_context() == nullptr,
+         "the refused call took the deleter it gave back");
+  (void)st4->mutable_data_ptr().release_context();  // the restore freed its block
+  st4.reset();
+  over1.reset();  // frees nothing
+  expect(a.checkPoolLiveAllocations(1, pool, {cp_live.begin(), cp_live.end()}),
+         "dropping the storages of the refused call freed nothing");
   (void)n3;
   for (void* p : in_cp) {
     a.free_ptr(p, true);
