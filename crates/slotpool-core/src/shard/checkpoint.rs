@@ -444,8 +444,13 @@ impl Shard {
                 continue;
             };
             let (first, end) = w.range(base, e.addr, e.size);
-            // Most blocks lie on the page of the block before: one addition.
-            if first == page && end == page + 1 {
+            if end == first + 1 {
+                // Most blocks lie on one page, often the page of the block before.
+                if first != page {
+                    settle(pt, &mut w.touched, seg, page, sum);
+                    (page, sum) = (first, 0);
+                    pt.cover(end);
+                }
                 sum += d;
                 continue;
             }
