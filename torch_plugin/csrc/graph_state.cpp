@@ -60,11 +60,14 @@ struct Scratch {
 // loops below would otherwise take one at a time.
 constexpr size_t kAhead = 16;
 
-// Ask for the cache line of storage i's DataPtr (a list's storages are the caller's live
-// objects, or null, which the loops refuse).
+// Ask for the cache lines of storage i's DataPtr, its first byte and its last: a StorageImpl
+// is aligned to 16 bytes, so its DataPtr often spans two lines (a list's storages are the
+// caller's live objects, or null, which the loops refuse).
 void prefetch_storage(const std::vector<c10::StorageImpl*>& v, size_t i) {
   if (i < v.size() && v[i] != nullptr) {
-    __builtin_prefetch(&v[i]->data_ptr());
+    const auto* d = reinterpret_cast<const char*>(&v[i]->data_ptr());
+    __builtin_prefetch(d);
+    __builtin_prefetch(d + sizeof(c10::DataPtr) - 1);
   }
 }
 
@@ -133,8 +136,14 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
     const std::vector<c10::StorageImpl*>& add = storages_to_add_deleters_to;
     const c10::Device dev(c10::DeviceType::CUDA, device);
     for (size_t i = add.size(); i-- > 0;) {
-      if (i >= kAhead) {
-        prefetch_storage(add, i - kAhead);
+      // Two steps ahead: the storage (2k places on), then the set slots of its pointer (k on).
+      if (i >= 2 * kAhead) {
+        prefetch_storage(add, i - 2 * kAhead);
+      }
+      if (i >= kAhead && add[i - kAhead] != nullptr) {
+        const void* q = add[i - kAhead]->data_ptr().get();
+        seen.prefetch(q);
+        live_set.prefetch(q);
       }
       c10::StorageImpl* s = add[i];
       TORCH_CHECK(s != nullptr, "slotpool: a null storage to add a deleter to");
@@ -151,13 +160,16 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
   GraphRestore& r = sc.restore;
   a.restore_graph_state(std::move(cp), r);
 
-  // (2) Every pointer freed for good comes with its stale storage.
-  size_t definitely_freed = 0;
-  for (void* p : r.freed) {
-    definitely_freed += live_set.contains(p) ? 0 : 1;
+  // (2) Every pointer freed for good comes with its stale storage (counted only when there are
+  // fewer stale storages than pointers freed: with as many, the check cannot fail).
+  if (sc.stale.size() < r.freed.size()) {
+    size_t definitely_freed = 0;
+    for (void* p : r.freed) {
+      definitely_freed += live_set.contains(p) ? 0 : 1;
+    }
+    TORCH_CHECK(sc.stale.size() >= definitely_freed,
+                "Any stale tensors which are being manually freed must be passed to set checkpoint");
   }
-  TORCH_CHECK(sc.stale.size() >= definitely_freed,
-              "Any stale tensors which are being manually freed must be passed to set checkpoint");
 
   // (3) Stale storages point at freed memory: what the restore freed, or a survivor (live
   // before and after: PyTorch lists those as freed too).
