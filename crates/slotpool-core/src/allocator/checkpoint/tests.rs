@@ -103,7 +103,7 @@ fn check_delta(delta: &crate::checkpoint::RestoreDelta, before: &Live, after: &L
     assert_eq!(delta.created, pairs(after.difference(before)));
 }
 
-/// Restores where most blocks changed (free-index rebuilds, radix sorts), repeated (buffers
+/// Restores where most blocks changed (free-index rebuilds, long op logs), repeated (buffers
 /// reused: the allocator's, and the last round's delta, full of its entries, as the next
 /// one's lists), with a later checkpoint alive (journaled restores), and to a checkpoint that
 /// does not have a shard.
