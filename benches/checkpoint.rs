@@ -9,6 +9,9 @@
 //!   (the changes are made outside the timing).
 //! - `half_changed_fresh/<n>`: the same in a pool made, checkpointed and changed for the one
 //!   restore (outside the timing), as each new CUDA graph's pool is.
+//! - `half_changed_older/<n>`: `half_changed` to a checkpoint that a later one follows (alive),
+//!   as CUDA graph trees return to a node whose children hold checkpoints: the restore is
+//!   journaled (it logs its own change for the later checkpoint).
 //!
 //! Run: `cargo bench --bench checkpoint -- --noplot`.
 
@@ -123,6 +126,21 @@ fn bench(c: &mut Criterion) {
             )
         });
         drop(cp);
+        if n == 10_000 {
+            let a = allocator();
+            let live = holes(&a, POOL, n);
+            let cp = a.checkpoint(POOL).unwrap();
+            let later = a.alloc_in(POOL, 4096, 0).unwrap();
+            let cp_later = a.checkpoint(POOL).unwrap();
+            g.bench_with_input(BenchmarkId::new("half_changed_older", n), &n, |b, _| {
+                b.iter_batched(
+                    || half_change(&a, POOL, &live),
+                    |()| black_box(a.restore(POOL, &cp, &[]).unwrap()),
+                    BatchSize::PerIteration,
+                )
+            });
+            drop((cp, cp_later, later));
+        }
         if n == 10_000 {
             // One allocator for every sample; each sample's pool is freed and released when
             // the sample is dropped (after its timing), as graphs' pools come and go.

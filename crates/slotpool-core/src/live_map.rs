@@ -357,13 +357,14 @@ impl LiveMap {
             .min(self.ops.len())
     }
 
-    /// What differs between the map at `m` and now, in the order the addresses first changed
-    /// since `m`: `freed` gets the allocations live now and not then, `created` those live then
-    /// and not now. An address that holds another allocation now than then (freed and allocated
-    /// again since, at any size) is in both; one whose allocation is the same at both ends
-    /// ([`LiveEntry::serial`]) drops out. Costs the ops logged since `m`: since the newest mark
-    /// each address has at most two, the first linked to the last ([`LiveOp::later`]); since
-    /// an older one `ends` (a buffer) collects each address's first and last.
+    /// What differs between the map at `m` and now: `freed` gets the allocations live now and
+    /// not then, `created` those live then and not now. An address that holds another
+    /// allocation now than then (freed and allocated again since, at any size) is in both; one
+    /// whose allocation is the same at both ends ([`LiveEntry::serial`]) drops out. Costs the
+    /// ops logged since `m`. Since the newest mark (the window) each address has at most two,
+    /// the first linked to the last ([`LiveOp::later`]): they are read once, in order, and the
+    /// lists come in the order the addresses first changed. The ops between an older mark and
+    /// the window go through `ends` (a buffer), each address's first and last there.
     pub(crate) fn changes_since(
         &self,
         m: LiveMark,
@@ -371,8 +372,12 @@ impl LiveMap {
         freed: &mut Vec<LiveEntry>,
         created: &mut Vec<LiveEntry>,
     ) {
+        let ops = &self.ops;
         let start = self.ops_start(m);
-        let ops = &self.ops[start..];
+        // Where the window starts (`m` itself for the newest mark), as an index into `ops`.
+        let window = usize::try_from(self.window_base.saturating_sub(self.ops_base))
+            .unwrap_or(usize::MAX)
+            .clamp(start, ops.len());
         // The first op says what the address held then (a removal: that entry; an insertion:
         // nothing), the last what it holds now.
         let mut net = |first: &LiveOp, last: &LiveOp| {
@@ -391,28 +396,31 @@ impl LiveMap {
                 created.push(t);
             }
         };
-        if m.ops == self.window_base {
-            for (k, op) in ops.iter().enumerate() {
-                match op.later {
-                    LATER_OP => {}
-                    0 => net(op, op),
-                    later => net(op, &ops[k + later as usize]),
-                }
-            }
-        } else {
-            ends.clear();
-            for (k, op) in ops.iter().enumerate() {
-                ends.entry(op.entry.addr)
-                    .and_modify(|e| e.1 = k)
-                    .or_insert((k, k));
-            }
-            // In the order of each address's first op: its position in the log.
-            for (k, op) in ops.iter().enumerate() {
-                if let Some(&(first, last)) = ends.get(&op.entry.addr)
-                    && first == k
-                {
-                    net(op, &ops[last]);
-                }
+        ends.clear();
+        for (k, op) in ops.iter().enumerate().take(window).skip(start) {
+            ends.entry(op.entry.addr)
+                .and_modify(|e| e.1 = k)
+                .or_insert((k, k));
+        }
+        // The window's addresses; one that changed before it too starts from its first op
+        // there.
+        for (k, op) in ops.iter().enumerate().skip(window) {
+            let last = match op.later {
+                LATER_OP => continue,
+                later => k + later as usize,
+            };
+            let first = match ends.is_empty() {
+                true => k,
+                false => ends.remove(&op.entry.addr).map_or(k, |(first, _)| first),
+            };
+            net(&ops[first], &ops[last]);
+        }
+        // The addresses that changed before the window only, in the order of their first op.
+        for (k, op) in ops.iter().enumerate().take(window).skip(start) {
+            if let Some(&(first, last)) = ends.get(&op.entry.addr)
+                && first == k
+            {
+                net(op, &ops[last]);
             }
         }
     }
