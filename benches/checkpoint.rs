@@ -19,7 +19,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
 
-use criterion::{BatchSize, BenchmarkId, Criterion, criterion_group, criterion_main};
+use criterion::{BatchSize, Bencher, BenchmarkId, Criterion, criterion_group, criterion_main};
 use slotpool::core::{Allocator, Checkpoint, Config, PoolId, PoolOptions};
 use slotpool::sim::{Backing, SimConfig, SimDevice};
 
@@ -97,6 +97,16 @@ impl Drop for FreshPool<'_> {
     }
 }
 
+/// Samples of [`POOL`] restored to `cp` after a [`half_change`] of `live` (made outside the
+/// timing).
+fn restore_half_changed(b: &mut Bencher, a: &Allocator<SimDevice>, live: &[u64], cp: &Checkpoint) {
+    b.iter_batched(
+        || half_change(a, POOL, live),
+        |()| black_box(a.restore(POOL, cp, &[]).unwrap()),
+        BatchSize::PerIteration,
+    )
+}
+
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("checkpoint");
     g.sample_size(30)
@@ -119,28 +129,19 @@ fn bench(c: &mut Criterion) {
         });
         let cp = a.checkpoint(POOL).unwrap();
         g.bench_with_input(BenchmarkId::new("half_changed", n), &n, |b, _| {
-            b.iter_batched(
-                || half_change(&a, POOL, &live),
-                |()| black_box(a.restore(POOL, &cp, &[]).unwrap()),
-                BatchSize::PerIteration,
-            )
+            restore_half_changed(b, &a, &live, &cp)
         });
-        drop(cp);
         if n == 10_000 {
-            let a = allocator();
-            let live = holes(&a, POOL, n);
-            let cp = a.checkpoint(POOL).unwrap();
+            // The pool is back at `cp`; a later checkpoint, one block on.
             let later = a.alloc_in(POOL, 4096, 0).unwrap();
             let cp_later = a.checkpoint(POOL).unwrap();
             g.bench_with_input(BenchmarkId::new("half_changed_older", n), &n, |b, _| {
-                b.iter_batched(
-                    || half_change(&a, POOL, &live),
-                    |()| black_box(a.restore(POOL, &cp, &[]).unwrap()),
-                    BatchSize::PerIteration,
-                )
+                restore_half_changed(b, &a, &live, &cp)
             });
-            drop((cp, cp_later, later));
+            drop(cp_later);
+            a.free(later).unwrap();
         }
+        drop(cp);
         if n == 10_000 {
             // One allocator for every sample; each sample's pool is freed and released when
             // the sample is dropped (after its timing), as graphs' pools come and go.
