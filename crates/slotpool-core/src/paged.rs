@@ -261,15 +261,31 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
             self.pages.truncate(pages);
             self.stamp.truncate(pages);
             self.grow_pages(pages);
+            // At most as many spare pages as pages, as below.
+            let keep = self.pages.len();
             for k in first {
                 let p = self.log.entries[k].0;
                 if p >= pages {
                     continue;
                 }
+                // The page takes a copy of its image (in a spare page when there is one); what
+                // it held goes to the log if this window has not logged it (the copy
+                // `log_page` would make is overwritten at once), else to the spare pages.
+                let image = &self.log.entries[k].1;
+                let copy = match self.spare.pop() {
+                    Some(mut page) => {
+                        page.clone_from_slice(&image[..]);
+                        page
+                    }
+                    None => image.clone(),
+                };
+                let old = std::mem::replace(&mut self.pages[p], copy);
                 if self.log.due(self.stamp[p]) {
-                    self.log_page(p);
+                    self.log.entries.push((p, old));
+                    self.stamp[p] = self.log.window;
+                } else if self.spare.len() < keep {
+                    self.spare.push(old);
                 }
-                self.pages[p] = self.log.entries[k].1.clone();
             }
         } else {
             // At most as many spare pages as pages: memory stays within twice the vector.
