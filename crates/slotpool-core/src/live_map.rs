@@ -404,16 +404,20 @@ impl LiveMap {
         }
         // The window's addresses; one that changed before it too starts from its first op
         // there.
-        for (k, op) in ops.iter().enumerate().skip(window) {
+        let in_window = &ops[window..];
+        for (k, op) in in_window.iter().enumerate() {
             let last = match op.later {
                 LATER_OP => continue,
-                later => k + later as usize,
+                0 => op,
+                later => &in_window[k + later as usize],
             };
             let first = match ends.is_empty() {
-                true => k,
-                false => ends.remove(&op.entry.addr).map_or(k, |(first, _)| first),
+                true => op,
+                false => ends
+                    .remove(&op.entry.addr)
+                    .map_or(op, |(first, _)| &ops[first]),
             };
-            net(&ops[first], &ops[last]);
+            net(first, last);
         }
         // The addresses that changed before the window only, in the order of their first op.
         for (k, op) in ops.iter().enumerate().take(window).skip(start) {

@@ -127,6 +127,17 @@ fn blank<T: Default, const P: usize>() -> Box<[T; P]> {
     Box::new(std::array::from_fn(|_| T::default()))
 }
 
+/// A copy of `page`, in one of the `spare` pages when there is one (no allocation).
+fn copy_of<T: Clone, const P: usize>(spare: &mut Vec<Box<[T; P]>>, page: &[T; P]) -> Box<[T; P]> {
+    match spare.pop() {
+        Some(mut copy) => {
+            copy.clone_from_slice(&page[..]);
+            copy
+        }
+        None => Box::new(page.clone()),
+    }
+}
+
 impl<T: Clone + Default, const P: usize> Paged<T, P> {
     pub(crate) fn len(&self) -> usize {
         self.len
@@ -189,13 +200,7 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
     #[cold]
     #[inline(never)]
     fn log_page(&mut self, p: usize) {
-        let copy = match self.spare.pop() {
-            Some(mut page) => {
-                page.clone_from_slice(&self.pages[p][..]);
-                page
-            }
-            None => self.pages[p].clone(),
-        };
+        let copy = copy_of(&mut self.spare, &self.pages[p]);
         let old = std::mem::replace(&mut self.pages[p], copy);
         self.log.entries.push((p, old));
         self.stamp[p] = self.log.window;
@@ -271,14 +276,7 @@ impl<T: Clone + Default, const P: usize> Paged<T, P> {
                 // The page takes a copy of its image (in a spare page when there is one); what
                 // it held goes to the log if this window has not logged it (the copy
                 // `log_page` would make is overwritten at once), else to the spare pages.
-                let image = &self.log.entries[k].1;
-                let copy = match self.spare.pop() {
-                    Some(mut page) => {
-                        page.clone_from_slice(&image[..]);
-                        page
-                    }
-                    None => image.clone(),
-                };
+                let copy = copy_of(&mut self.spare, &self.log.entries[k].1);
                 let old = std::mem::replace(&mut self.pages[p], copy);
                 if self.log.due(self.stamp[p]) {
                     self.log.entries.push((p, old));
