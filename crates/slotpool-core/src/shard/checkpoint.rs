@@ -65,7 +65,7 @@ impl Plan {
 pub(crate) struct RestoreScratch {
     /// Each changed address's first and last op ([`LiveMap::changes_since`]).
     ends: FxHashMap<DevicePtr, (usize, usize)>,
-    pages: Vec<(SegmentId, usize)>,
+    pages: PageWork,
     /// A plan's freed / created lists, one pair per shard of the restore, given back by
     /// [`Shard::restore_apply`].
     lists: Vec<(Vec<LiveEntry>, Vec<LiveEntry>)>,
@@ -288,7 +288,7 @@ impl Shard {
     /// Map the pages that the re-created blocks need (vmm). Pages mapped here stay mapped (idle)
     /// if a later step fails, which keeps the state consistent.
     pub(crate) fn restore_map(&mut self, env: &Env<'_>, plan: &Plan) -> Result<(), ShardError> {
-        let pages = PageWork::new(env.page_size(), Vec::new());
+        let pages = PageGeom::new(env.page_size());
         // The pages each re-created block takes, so that no two of them (in slots that alias
         // one page) are given the same one: none of them is live yet.
         let mut taken = FxHashMap::default();
@@ -329,14 +329,14 @@ impl Shard {
         delta: &mut RestoreDelta,
         sc: &mut RestoreScratch,
     ) {
-        let mut pages = PageWork::new(env.page_size(), std::mem::take(&mut sc.pages));
+        let geom = PageGeom::new(env.page_size());
         // vmm page counts: what stops being live comes out, what comes back goes in (at both
         // ends every block that is not free is live: no frees wait, nothing is cached).
         // Blocks the restore takes back are still held by their owners (and graphs may touch
         // them): their memory stays mapped while the pool is in use.
-        self.count_pages(&mut pages, &plan.freed, -1, true);
-        self.count_pages(&mut pages, &plan.created, 1, false);
-        self.settle_pages(&mut pages);
+        self.count_pages(geom, &mut sc.pages, &plan.freed, -1, true);
+        self.count_pages(geom, &mut sc.pages, &plan.created, 1, false);
+        self.settle_pages(&mut sc.pages);
         let mark = plan
             .token
             .and_then(|t| self.marks.iter().position(|m| m.token == t));
@@ -394,87 +394,95 @@ impl Shard {
         // Hand the buffers back for the next restore.
         plan.freed.clear();
         plan.created.clear();
-        pages.touched.clear();
-        trim(&mut pages.touched);
+        trim(&mut sc.pages.touched);
         if plan.freed.capacity().max(plan.created.capacity()) <= RESTORE_BUFFER_KEEP {
             sc.lists.push((plan.freed, plan.created));
         }
-        sc.pages = pages.touched;
         self.prune_marks();
     }
 
     /// `pages_live` for a restore, over a list of live blocks in any order: adds `d` to the
-    /// live counts of their vmm pages, and leaves the idle bits to [`Shard::settle_pages`].
-    /// With `retain`, their pages are marked graph-retained (classic segments: the whole
-    /// segment). Blocks that come one after another on one page (graph pools hold many small
-    /// blocks a page, and a list often lists a segment's together) are summed first and the
-    /// page written once.
-    fn count_pages(&mut self, w: &mut PageWork, list: &[LiveEntry], d: i32, retain: bool) {
-        // Page `p` of segment `seg` gets `sum` (`p` is `usize::MAX` before the first).
-        let settle = |pt: &mut PageTable, touched: &mut Vec<_>, seg, p: usize, sum: i32| {
-            if p != usize::MAX {
-                pt.live[p] = pt.live[p].wrapping_add_signed(sum);
-                if retain && pt.handle[p].is_some() {
-                    pt.set_retained(p, true);
-                }
-                touched.push((seg, p));
-            }
-        };
-        // The segment of the block before (its id, address and pages: `None` for a classic
-        // one), the page being summed and its sum.
-        let (mut seg, mut base, mut pt) = (SegmentId::MAX, 0, None::<&mut PageTable>);
-        let (mut page, mut sum) = (usize::MAX, 0);
+    /// live counts of their vmm pages and lists each page once in `w`, leaving the idle bits to
+    /// [`Shard::settle_pages`]. With `retain` (the first list counted: the blocks the restore
+    /// takes back), their pages are marked graph-retained (classic segments: the whole
+    /// segment). The lists come in the order their addresses changed, which jumps from page to
+    /// page: each block costs one add and one bit test, and a page's own work is done once.
+    fn count_pages(
+        &mut self,
+        geom: PageGeom,
+        w: &mut PageWork,
+        list: &[LiveEntry],
+        d: i32,
+        retain: bool,
+    ) {
+        let start = w.touched.len();
+        debug_assert!(!retain || start == 0, "retained pages are the first list's");
+        let PageWork { touched, listed } = w;
+        // The segment of the block before: its id and address, and for a vmm one its pages and
+        // which of them are listed.
+        let (mut seg, mut base) = (SegmentId::MAX, 0);
+        let mut pages: Option<(&mut PageTable, &mut Vec<u64>)> = None;
         for e in list {
             if e.segment() != seg {
-                if let Some(pt) = pt.as_deref_mut() {
-                    settle(pt, &mut w.touched, seg, page, sum);
-                }
-                (seg, page) = (e.segment(), usize::MAX);
+                seg = e.segment();
                 let segment = &mut self.segments[seg];
                 base = segment.addr;
-                pt = match &mut segment.kind {
-                    SegmentKind::Vmm(pt) => Some(pt),
+                pages = match &mut segment.kind {
+                    SegmentKind::Vmm(pt) => {
+                        if listed.len() <= seg {
+                            listed.resize_with(seg + 1, Vec::new);
+                        }
+                        Some((pt, &mut listed[seg]))
+                    }
                     _ => {
                         segment.retained |= retain;
                         None
                     }
                 };
             }
-            let Some(pt) = pt.as_deref_mut() else {
+            let Some((pt, bits)) = &mut pages else {
                 continue;
             };
-            let (first, end) = w.range(base, e.addr, e.size);
-            if end == first + 1 {
-                // Most blocks lie on one page, often the page of the block before.
-                if first != page {
-                    settle(pt, &mut w.touched, seg, page, sum);
-                    (page, sum) = (first, 0);
-                    pt.cover(end);
-                }
-                sum += d;
-                continue;
-            }
+            let (first, end) = geom.range(base, e.addr, e.size);
             pt.cover(end);
-            for p in first..end {
-                if p == page {
-                    sum += d;
-                } else {
-                    settle(pt, &mut w.touched, seg, page, sum);
-                    (page, sum) = (p, d);
+            if bits.len() * 64 < end {
+                bits.resize(pt.live.len().div_ceil(64), 0);
+            }
+            // Page p: one more (or fewer) live block over it, and listed if it is not yet.
+            let mut count = |p: usize| {
+                pt.live[p] = pt.live[p].wrapping_add_signed(d);
+                let (word, bit) = (&mut bits[p / 64], 1u64 << (p % 64));
+                if *word & bit == 0 {
+                    *word |= bit;
+                    touched.push((seg, p));
                 }
+            };
+            if end == first + 1 {
+                // Most blocks lie on one page.
+                count(first);
+            } else {
+                (first..end).for_each(count);
             }
         }
-        if let Some(pt) = pt {
-            settle(pt, &mut w.touched, seg, page, sum);
+        if retain {
+            for &(seg, p) in &touched[start..] {
+                if let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind
+                    && pt.handle[p].is_some()
+                {
+                    pt.set_retained(p, true);
+                }
+            }
         }
     }
 
     /// Idle bits of the pages whose live counts changed. Pages that fall idle remember the current
     /// epoch, as with `pages_live`. The counts end where one block at a time would leave them; a
     /// page idle before the restore has no block to take out (it stays idle or turns live).
+    /// Leaves `w` empty for the next restore.
     fn settle_pages(&mut self, w: &mut PageWork) {
         let epoch = self.epoch;
         for &(seg, p) in &w.touched {
+            w.listed[seg][p / 64] = 0;
             let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
                 continue;
             };
@@ -486,6 +494,7 @@ impl Shard {
                 }
             }
         }
+        w.touched.clear();
     }
 }
 
@@ -502,24 +511,21 @@ fn mapped_alone(pt: &PageTable, (first, end): (usize, usize)) -> bool {
         && !pt.any_shared(first, end)
 }
 
-/// vmm page work of a restore: live counts per block, idle bits once per page at the end.
-#[derive(Debug)]
-struct PageWork {
+/// The vmm page size of a restore, and the pages under a block.
+#[derive(Clone, Copy, Debug)]
+struct PageGeom {
     page_size: u64,
     /// `log2(page_size)` when it is a power of two (a shift instead of two divisions a block).
     shift: Option<u32>,
-    /// Pages whose live counts changed (consecutive repeats left out).
-    touched: Vec<(SegmentId, usize)>,
 }
 
-impl PageWork {
-    fn new(page_size: u64, touched: Vec<(SegmentId, usize)>) -> Self {
-        PageWork {
+impl PageGeom {
+    fn new(page_size: u64) -> Self {
+        PageGeom {
             page_size,
             shift: page_size
                 .is_power_of_two()
                 .then(|| page_size.trailing_zeros()),
-            touched,
         }
     }
 
@@ -538,6 +544,15 @@ impl PageWork {
             ),
         }
     }
+}
+
+/// vmm page work of a restore: live counts per block, idle bits once per page at the end.
+#[derive(Debug, Default)]
+pub(crate) struct PageWork {
+    /// Pages whose live counts changed, each once.
+    touched: Vec<(SegmentId, usize)>,
+    /// By segment id: bit p set when page p is in `touched` (clear between restores).
+    listed: Vec<Vec<u64>>,
 }
 
 #[cfg(test)]
