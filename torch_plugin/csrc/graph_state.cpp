@@ -31,7 +31,6 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
-#include <optional>
 #include <vector>
 
 namespace slotpool_torch {
@@ -42,9 +41,9 @@ namespace {
 // below hold a few hundred KB, which a fresh allocation takes page by page from a heap that was
 // trimmed in between: graph trees call this at every branch switch.
 struct Scratch {
-  std::vector<uintptr_t> seen, freed, created;  // PtrSet tables
-  std::vector<c10::StorageImpl*> stale;         // (1), each storage once
-  std::vector<void*> stale_ptrs;                // their data pointers, read once
+  std::vector<uintptr_t> seen, stale_set, freed, created;  // PtrSet tables
+  std::vector<c10::StorageImpl*> stale;                    // (1), each storage once
+  std::vector<void*> stale_ptrs;                           // their data pointers, read once
   // (4): each storage that took a deleter, with the deleter and device its DataPtr had.
   struct Taken {
     c10::StorageImpl* s;
@@ -113,7 +112,11 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
   Undo undo{sc, ours};
 
   // (1, 3) Each stale storage once, in order: a foreign deleter is refused, ours becomes
-  // deleteNothing. Each storage is read and written here once.
+  // deleteNothing. Each storage is read and written here once. Their pointers go into a set
+  // for (3): this loop waits on the storages' cache lines, so the set costs it little, and
+  // after the restore (3) is then one probe per freed pointer.
+  PtrSet stale_set(stale_storages.size(), sc.stale_set);
+  size_t stale_distinct = 0;  // distinct pointers in stale_set
   {
     PtrSet seen(stale_storages.size(), sc.seen);
     for (size_t i = 0; i < stale_storages.size(); ++i) {
@@ -126,6 +129,7 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
                     "Unexpected deleter function on storage, could not swap function");
         sc.stale.push_back(s);
         sc.stale_ptrs.push_back(d.get());
+        stale_distinct += stale_set.insert(d.get()) ? 1 : 0;
       }
     }
   }
@@ -172,22 +176,26 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
   }
 
   // (3) Stale storages point at freed memory: what the restore freed, or a survivor (live
-  // before and after: PyTorch lists those as freed too).
+  // before and after: PyTorch lists those as freed too). When every stale pointer is among the
+  // freed ones (the usual case), counting them settles it; else each is looked up.
   if (!sc.stale.empty()) {
-    PtrSet freed(r.freed.size(), sc.freed);
-    for (void* p : r.freed) {
-      freed.insert(p);
+    size_t stale_freed = 0;
+    for (size_t i = 0; i < r.freed.size(); ++i) {
+      if (i + kAhead < r.freed.size()) {
+        stale_set.prefetch(r.freed[i + kAhead]);
+      }
+      stale_freed += stale_set.contains(r.freed[i]) ? 1 : 0;
     }
-    std::optional<PtrSet> created;  // made for the first stale pointer the restore did not free
-    for (void* p : sc.stale_ptrs) {
-      if (freed.contains(p)) {
-        continue;
+    if (stale_freed < stale_distinct) {
+      PtrSet freed(r.freed.size(), sc.freed);
+      for (void* p : r.freed) {
+        freed.insert(p);
       }
-      if (!created) {
-        created = r.created_set(sc.created);
+      const PtrSet created = r.created_set(sc.created);
+      for (void* p : sc.stale_ptrs) {
+        TORCH_CHECK(freed.contains(p) || (live_set.contains(p) && !created.contains(p)),
+                    "slotpool: a stale storage whose memory the restore did not free");
       }
-      TORCH_CHECK(live_set.contains(p) && !created->contains(p),
-                  "slotpool: a stale storage whose memory the restore did not free");
     }
   }
   undo.committed = true;

@@ -374,6 +374,36 @@ void check_graph_state(slotpool_torch::SlotpoolAllocator& a) {
   over1.reset();  // frees nothing
   expect(a.checkPoolLiveAllocations(1, pool, {cp_live.begin(), cp_live.end()}),
          "dropping the storages of the refused call freed nothing");
+
+  // A survivor's storage among the stale ones is taken: PyTorch lists survivors as freed.
+  void* n5 = alloc(4 << 20);
+  auto st5 = owned(n5, 4 << 20);
+  auto surv = owned(in_cp[3], 4 << 20);
+  msg = thrown([&] { set_checkpoint_pool_state(a, 1, cp, {st5.get(), surv.get()}, {}); });
+  expect(msg.empty(), "a survivor's stale storage: " + msg);
+  expect(st5->data_ptr().get_deleter() == &c10::detail::deleteNothing &&
+             surv->data_ptr().get_deleter() == &c10::detail::deleteNothing,
+         "the new block's and the survivor's stale storages lost their deleter");
+  st5.reset();
+  surv.reset();  // free nothing
+  expect(a.checkPoolLiveAllocations(1, pool, {cp_live.begin(), cp_live.end()}),
+         "the survivor's stale storage freed nothing");
+  // A stale storage over memory the restore did not free (inside a live block): refused after
+  // the restore, and both stale storages get their deleter back.
+  void* n6 = alloc(6 << 20);
+  auto st6 = owned(n6, 6 << 20);
+  auto inside = owned(static_cast<char*>(in_cp[1]) + 512, 512);
+  msg = thrown([&] { set_checkpoint_pool_state(a, 1, cp, {st6.get(), inside.get()}, {}); });
+  expect(msg.find("did not free") != std::string::npos, "memory not freed: " + msg);
+  expect(st6->data_ptr().get_deleter() == &slotpool_delete &&
+             inside->data_ptr().get_deleter() == &slotpool_delete,
+         "the refused call gave both stale storages their deleter back");
+  expect(a.checkPoolLiveAllocations(1, pool, {cp_live.begin(), cp_live.end()}),
+         "the restore before that refusal returned the pool to the checkpoint");
+  (void)st6->mutable_data_ptr().release_context();  // the restore freed its block
+  (void)inside->mutable_data_ptr().release_context();  // not an allocation
+  st6.reset();
+  inside.reset();
   (void)n3;
   for (void* p : in_cp) {
     a.free_ptr(p, true);
