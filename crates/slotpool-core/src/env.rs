@@ -28,6 +28,7 @@ impl Budget {
         }
     }
 
+    #[inline]
     pub fn held(&self) -> u64 {
         self.held.load(Ordering::Relaxed)
     }
@@ -40,6 +41,7 @@ impl Budget {
         self.peak.store(self.held(), Ordering::Relaxed);
     }
 
+    #[inline]
     pub fn limit(&self) -> u64 {
         self.limit.load(Ordering::Relaxed)
     }

@@ -17,12 +17,41 @@ impl Shard {
             .get(ptr)
             .ok_or(ShardError::UnknownPointer)?
             .block();
-        let b = self.blocks.hot(id);
+        let journaling = self.journaling();
+        // For a change: every free changes the block's state (a refused one may log its page
+        // unchanged, which changes nothing).
+        let b = self.blocks.hot_mut(id);
         if b.state != BlockState::Allocated {
             return Err(ShardError::UnknownPointer);
         }
-        let (size, requested, seg, uses_empty) =
-            (b.size, b.requested, b.segment, b.stream_uses.is_empty());
+        let (size, requested, seg, uses_empty, split) = (
+            b.size,
+            b.requested,
+            b.segment,
+            b.stream_uses.is_empty(),
+            b.is_split(),
+        );
+        // Whether the block goes to the quick cache (freed on its own stream alone, small, the
+        // cache on and room in it, no capture and no checkpoint), decided while the block is at
+        // hand: it is marked cached here, and `cache_block` does the rest without a second look.
+        let cache = uses_empty && {
+            if self.quick_credit <= 0 {
+                self.quick_credit -= 1;
+                if self.quick_credit <= -QUICK_PROBE_EVERY {
+                    self.quick_credit = 1;
+                }
+            }
+            self.quick_credit > 0
+                && self.quick.len() < QUICK_MAX
+                && policy::is_small(size)
+                && !self.quick_off
+                && !env.capture_underway
+                && !journaling
+        };
+        if cache {
+            b.state = BlockState::Cached;
+            b.requested = 0;
+        }
         let (small, vmm) = {
             let s = &self.segments[seg];
             (s.small, s.is_vmm())
@@ -35,25 +64,13 @@ impl Shard {
         if !vmm && env.policy.is_oversize(size) {
             self.stats.oversize_allocations.update(-1);
         }
+        if cache {
+            self.cache_block(env, (id, ptr, size, requested), split, small, vmm);
+            return Ok(());
+        }
         if uses_empty {
-            if self.quick_credit <= 0 {
-                self.quick_credit -= 1;
-                if self.quick_credit <= -QUICK_PROBE_EVERY {
-                    self.quick_credit = 1;
-                }
-            }
-            if self.quick_credit > 0
-                && self.quick.len() < QUICK_MAX
-                && policy::is_small(size)
-                && !self.quick_off
-                && !env.capture_underway
-                && !self.journaling()
-            {
-                self.cache_block(env, id, small, vmm);
-            } else {
-                self.live.remove(ptr);
-                self.free_block(env, id);
-            }
+            self.live.remove(ptr);
+            self.free_block(env, id);
             return Ok(());
         }
         self.live.remove(ptr);

@@ -22,7 +22,7 @@ use crate::live_map::LiveMap;
 
 use crate::block::{Block, BlockId, BlockState, Segment, SegmentId, SegmentKind};
 use crate::device::{DeviceError, DevicePtr, EventHandle, StreamId};
-use crate::env::{Budget, Env};
+use crate::env::{Budget, Env, Shared};
 use crate::free_index::FreeIndex;
 use crate::peak::{CREDIT_MAX, Lease};
 use crate::policy::SizePolicy;
@@ -502,7 +502,10 @@ impl Shard {
     pub(crate) fn count_allocated(&mut self, env: &Env<'_>, delta: i64) {
         self.peak_credit -= delta;
         if !(0..=CREDIT_MAX).contains(&self.peak_credit) {
-            self.rebalance_credit(env);
+            // The shared part alone: an `Env` handed to a call out of line would have to be
+            // built in memory on the quick cache's round trip, which otherwise keeps it in
+            // registers.
+            self.rebalance_credit(env.shared);
         }
     }
 
@@ -510,7 +513,7 @@ impl Shard {
     /// reaching a peak can take it back); under it, the lease pays first (what is left of it
     /// refills the credit), then the counter.
     #[inline(never)]
-    fn rebalance_credit(&mut self, env: &Env<'_>) {
+    fn rebalance_credit(&mut self, shared: &Shared) {
         if self.peak_credit > CREDIT_MAX {
             self.lease.give(self.peak_credit);
             self.peak_credit = 0;
@@ -528,7 +531,7 @@ impl Shard {
             }
         } else {
             self.peak_credit = 0;
-            env.allocated.add(need - got);
+            shared.allocated.add(need - got);
         }
     }
 

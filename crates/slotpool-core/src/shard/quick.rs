@@ -37,17 +37,19 @@ impl Shard {
         Some(self.take_cached(env, id, requested))
     }
 
-    /// The user freed block `id` (no other stream used it, its segment is `small` / `vmm`):
-    /// keep it whole in the quick cache.
+    /// The user freed block `id` at `addr`, of `size` bytes for `requested` (no other stream
+    /// used it; `split`: it has neighbours; its segment is `small` / `vmm`), and
+    /// [`Shard::free`] marked it cached: keep it whole in the quick cache.
     #[inline(always)]
-    pub(super) fn cache_block(&mut self, env: &Env<'_>, id: BlockId, small: bool, vmm: bool) {
-        let (addr, size, requested, split) = {
-            let b = self.blocks.hot_mut(id);
-            b.state = BlockState::Cached;
-            let r = (b.addr, b.size, b.requested, b.is_split());
-            b.requested = 0;
-            r
-        };
+    pub(super) fn cache_block(
+        &mut self,
+        env: &Env<'_>,
+        (id, addr, size, requested): (BlockId, DevicePtr, u64, u64),
+        split: bool,
+        small: bool,
+        vmm: bool,
+    ) {
+        debug_assert_eq!(self.blocks[id].state, BlockState::Cached);
         env.trace
             .record(TraceAction::FreeCompleted, addr, requested, self.stream);
         let st = &mut self.stats;
