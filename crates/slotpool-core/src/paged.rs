@@ -50,11 +50,12 @@ impl<E> Log<E> {
         self.window != 0 && stamp != self.window
     }
 
-    /// [`Log::due`] for page `p` of `stamps`, read only while a window is open: outside one (no
-    /// mark, the hot paths' usual case) a change costs one load and no bounds check.
+    /// [`Log::due`] for page `p` of `stamps`, its stamp read only while a window is open:
+    /// outside one (no mark, the hot paths' usual case) a change costs one load and no bounds
+    /// check.
     #[inline(always)]
     fn due_page(&self, stamps: &[u64], p: usize) -> bool {
-        self.window != 0 && stamps[p] != self.window
+        self.window != 0 && self.due(stamps[p])
     }
 
     fn open_window(&mut self) {
