@@ -6,10 +6,13 @@
 // live in the checkpoint, one pointer per allocation live before) and then builds four node-based
 // hash sets over it, one of them copied by value, to check the stale storages and hand out
 // deleters. At 10,000 live blocks that bookkeeping alone costs milliseconds, more than slotpool's
-// restore. This file does the same work on the restore's own lists (GraphRestore) with open-
-// addressing sets (ptr_set.h; the checkpoint's live set is built once, with the checkpoint), and
-// a DataPtr only for a storage that takes one. Each storage is visited once: its deleter changes
-// when it is checked, and a call that fails puts every changed deleter back.
+// restore. This file does the same work on the restore's own lists (GraphRestore), and a DataPtr
+// only for a storage that takes one. Each storage is visited once: its deleter changes when it
+// is checked, and a call that fails puts every changed deleter back. The usual call builds no
+// set: a storage met twice is told by the deleter it was given, a pointer handed out twice by a
+// bit beside the checkpoint's live set (ptr_set.h, built once, with the checkpoint), and the
+// stale pointers are matched with the freed ones by fingerprint; an open-addressing set is
+// built only where those do not settle a check.
 //
 // Same contract as PyTorch's binding (torch/csrc/cuda/Module.cpp, PyTorch 2.11):
 //   1. stale storages are taken once each, in the caller's order;
@@ -31,6 +34,8 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <optional>
+#include <random>
 #include <vector>
 
 namespace slotpool_torch {
@@ -41,7 +46,8 @@ namespace {
 // below hold a few hundred KB, which a fresh allocation takes page by page from a heap that was
 // trimmed in between: graph trees call this at every branch switch.
 struct Scratch {
-  std::vector<uintptr_t> seen, stale_set, freed, created;  // PtrSet tables
+  std::vector<uintptr_t> seen, freed, created;  // PtrSet tables
+  std::vector<uint64_t> claimed;  // (4): a bit per slot of the checkpoint's live set
   std::vector<c10::StorageImpl*> stale;                    // (1), each storage once
   std::vector<void*> stale_ptrs;                           // their data pointers, read once
   // (4): each storage that took a deleter, with the deleter and device its DataPtr had.
@@ -69,6 +75,35 @@ void prefetch_storage(const std::vector<c10::StorageImpl*>& v, size_t i) {
     __builtin_prefetch(d + sizeof(c10::DataPtr) - 1);
   }
 }
+
+// A list of pointers as a count and a sum of keyed mixes of each (splitmix64's finaliser of the
+// pointer xor a key drawn once a process). Two lists with equal fingerprints hold the same
+// pointers as many times each, unless their sums collide: about 2^-64 for lists that differ, and
+// no list can be built to collide without the key. (3) compares the stale pointers with the
+// freed ones this way, in the pass that reads them, instead of through a set of either.
+class Fingerprint {
+ public:
+  void add(const void* p) {
+    uint64_t z = reinterpret_cast<uintptr_t>(p) ^ key_;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    sum_ += z ^ (z >> 31);
+    n_++;
+  }
+  bool operator==(const Fingerprint& o) const { return n_ == o.n_ && sum_ == o.sum_; }
+
+ private:
+  static uint64_t key() {
+    static const uint64_t k = [] {
+      std::random_device rd;
+      return (uint64_t{rd()} << 32) ^ rd();
+    }();
+    return k;
+  }
+  uint64_t key_ = key();
+  uint64_t sum_ = 0;
+  size_t n_ = 0;
+};
 
 // The storages' deleters as a call found them, until it commits: stale storages get ours back,
 // storages that took a DataPtr their bare one.
@@ -112,32 +147,44 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
   Undo undo{sc, ours};
 
   // (1, 3) Each stale storage once, in order: a foreign deleter is refused, ours becomes
-  // deleteNothing. Each storage is read and written here once. Their pointers go into a set
-  // for (3): this loop waits on the storages' cache lines, so the set costs it little, and
-  // after the restore (3) is then one probe per freed pointer.
-  PtrSet stale_set(stale_storages.size(), sc.stale_set);
-  size_t stale_distinct = 0;  // distinct pointers in stale_set
+  // deleteNothing. Each storage is read and written here once. A storage met again has
+  // deleteNothing now, as has one with a foreign deleter of that name: only then is a set of
+  // the storages taken built, to tell the two apart. Their pointers' fingerprint is for (3).
+  Fingerprint stale_fp;
   {
-    PtrSet seen(stale_storages.size(), sc.seen);
+    std::optional<PtrSet> seen;  // the storages taken, once one has deleteNothing
     for (size_t i = 0; i < stale_storages.size(); ++i) {
       prefetch_storage(stale_storages, i + kAhead);
       c10::StorageImpl* s = stale_storages[i];
       TORCH_CHECK(s != nullptr, "slotpool: a null stale storage");
-      if (seen.insert(s)) {
-        c10::DataPtr& d = s->mutable_data_ptr();
-        TORCH_CHECK(d.compare_exchange_deleter(ours, &c10::detail::deleteNothing),
-                    "Unexpected deleter function on storage, could not swap function");
+      c10::DataPtr& d = s->mutable_data_ptr();
+      if (d.compare_exchange_deleter(ours, &c10::detail::deleteNothing)) {
         sc.stale.push_back(s);
         sc.stale_ptrs.push_back(d.get());
-        stale_distinct += stale_set.insert(d.get()) ? 1 : 0;
+        stale_fp.add(d.get());
+        if (seen) {
+          seen->insert(s);
+        }
+        continue;
       }
+      if (!seen) {
+        seen.emplace(stale_storages.size(), sc.seen);
+        for (c10::StorageImpl* t : sc.stale) {
+          seen->insert(t);
+        }
+      }
+      TORCH_CHECK(d.get_deleter() == &c10::detail::deleteNothing && seen->contains(s),
+                  "Unexpected deleter function on storage, could not swap function");
     }
   }
   // (4) The storages that take a deleter: the last one per pointer that is live in the
-  // checkpoint. Each must have no deleter context; it takes an owning DataPtr.
+  // checkpoint. Each must have no deleter context; it takes an owning DataPtr. A bit per slot
+  // of the checkpoint's live set marks the pointers handed out, so one probe a storage does.
   {
-    PtrSet seen(storages_to_add_deleters_to.size(), sc.seen);
     const std::vector<c10::StorageImpl*>& add = storages_to_add_deleters_to;
+    if (!add.empty()) {
+      sc.claimed.assign((live_set.capacity() + 63) / 64, 0);
+    }
     const c10::Device dev(c10::DeviceType::CUDA, device);
     for (size_t i = add.size(); i-- > 0;) {
       // Two steps ahead: the storage (2k places on), then the set slots of its pointer (k on).
@@ -145,15 +192,20 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
         prefetch_storage(add, i - 2 * kAhead);
       }
       if (i >= kAhead && add[i - kAhead] != nullptr) {
-        const void* q = add[i - kAhead]->data_ptr().get();
-        seen.prefetch(q);
-        live_set.prefetch(q);
+        live_set.prefetch(add[i - kAhead]->data_ptr().get());
       }
       c10::StorageImpl* s = add[i];
       TORCH_CHECK(s != nullptr, "slotpool: a null storage to add a deleter to");
       const c10::DataPtr& d = s->data_ptr();
       void* p = d.get();
-      if (seen.insert(p) && live_set.contains(p)) {
+      const size_t slot = p == nullptr ? PtrSet::kNone : live_set.find(p);
+      if (slot == PtrSet::kNone) {
+        continue;
+      }
+      uint64_t& word = sc.claimed[slot / 64];
+      const uint64_t bit = uint64_t{1} << (slot % 64);
+      if ((word & bit) == 0) {
+        word |= bit;
         TORCH_CHECK(d.get_context() == nullptr, " Not expecting deleter function");
         sc.taken.push_back({s, d.get_deleter(), d.device()});
         s->set_data_ptr_noswap(c10::DataPtr(p, p, ours, dev));
@@ -176,17 +228,14 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
   }
 
   // (3) Stale storages point at freed memory: what the restore freed, or a survivor (live
-  // before and after: PyTorch lists those as freed too). When every stale pointer is among the
-  // freed ones (the usual case), counting them settles it; else each is looked up.
+  // before and after: PyTorch lists those as freed too). When the stale pointers are the freed
+  // ones, each once (the usual case: equal fingerprints), that settles it; else each is looked up.
   if (!sc.stale.empty()) {
-    size_t stale_freed = 0;
-    for (size_t i = 0; i < r.freed.size(); ++i) {
-      if (i + kAhead < r.freed.size()) {
-        stale_set.prefetch(r.freed[i + kAhead]);
-      }
-      stale_freed += stale_set.contains(r.freed[i]) ? 1 : 0;
+    Fingerprint freed_fp;
+    for (void* p : r.freed) {
+      freed_fp.add(p);
     }
-    if (stale_freed < stale_distinct) {
+    if (!(freed_fp == stale_fp)) {
       PtrSet freed(r.freed.size(), sc.freed);
       for (void* p : r.freed) {
         freed.insert(p);

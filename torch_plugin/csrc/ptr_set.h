@@ -49,20 +49,24 @@ class PtrSet {
     __builtin_prefetch(slots_->data() + slot_of(reinterpret_cast<uintptr_t>(p)));
   }
   bool contains(const void* p) const {
+    return p == nullptr ? has_null_ : find(p) != kNone;
+  }
+  // The slot that holds p (non-null), or kNone: a caller can keep a bit per slot beside the
+  // set (graph_state.cpp marks the checkpoint's pointers it has handed out), below capacity().
+  static constexpr size_t kNone = SIZE_MAX;
+  size_t find(const void* p) const {
     auto v = reinterpret_cast<uintptr_t>(p);
-    if (v == 0) {
-      return has_null_;
-    }
     const std::vector<uintptr_t>& t = *slots_;
     for (size_t i = slot_of(v);; i = (i + 1) & mask_) {
       if (t[i] == v) {
-        return true;
+        return i;
       }
       if (t[i] == 0) {
-        return false;
+        return kNone;
       }
     }
   }
+  size_t capacity() const { return mask_ + 1; }
 
  private:
   explicit PtrSet(std::vector<uintptr_t>& slots) : slots_(&slots) { size_mask(slots.size()); }

@@ -334,13 +334,30 @@ void check_graph_state(slotpool_torch::SlotpoolAllocator& a) {
          "the refused calls changed nothing");
   expect(st1->data_ptr().get_deleter() == &slotpool_delete, "the refused calls kept the deleters");
 
-  // The branch switch: the new blocks' storages are stale (one given twice), the re-created
-  // in_cp[0] takes a deleter through a bare storage.
-  auto over0 = bare(in_cp[0], 1 << 20);
+  // Refused before the restore too: a foreign deleteNothing after a storage given twice (the
+  // set that tells them apart is built at the second st1, and still holds what came after it).
   msg = thrown([&] {
-    set_checkpoint_pool_state(a, 1, cp, {st1.get(), st2.get(), st1.get()}, {over0.get()});
+    set_checkpoint_pool_state(a, 1, cp, {st1.get(), st1.get(), st2.get(), foreign.get()}, {});
+  });
+  expect(msg.find("deleter") != std::string::npos, "a foreign deleter after a repeat: " + msg);
+  expect(st1->data_ptr().get_deleter() == &slotpool_delete &&
+             st2->data_ptr().get_deleter() == &slotpool_delete,
+         "that refused call gave the stale storages their deleter back");
+
+  // The branch switch: the new blocks' storages are stale (one given twice), the re-created
+  // in_cp[0] takes a deleter through a bare storage: the last one over it (given twice), not
+  // the one before it over the same block.
+  auto over0 = bare(in_cp[0], 1 << 20);
+  auto over0_before = bare(in_cp[0], 1 << 20);
+  msg = thrown([&] {
+    set_checkpoint_pool_state(a, 1, cp, {st1.get(), st2.get(), st1.get()},
+                              {over0_before.get(), over0.get(), over0.get()});
   });
   expect(msg.empty(), "the branch switch: " + msg);
+  expect(over0_before->data_ptr().get_deleter() != &slotpool_delete &&
+             over0_before->data_ptr().get_context() == nullptr,
+         "only the last storage over a block takes the deleter");
+  over0_before.reset();
   expect(a.checkPoolLiveAllocations(1, pool, {cp_live.begin(), cp_live.end()}),
          "the pool holds the checkpoint's allocations");
   expect(st1->data_ptr().get_deleter() == &c10::detail::deleteNothing &&
@@ -401,8 +418,19 @@ void check_graph_state(slotpool_torch::SlotpoolAllocator& a) {
   expect(a.checkPoolLiveAllocations(1, pool, {cp_live.begin(), cp_live.end()}),
          "the restore before that refusal returned the pool to the checkpoint");
   (void)st6->mutable_data_ptr().release_context();  // the restore freed its block
-  (void)inside->mutable_data_ptr().release_context();  // not an allocation
   st6.reset();
+  // As many stale storages as freed blocks, but not the same pointers (the freed block's
+  // storage is not passed; one over memory still live is): refused all the same.
+  void* n7 = alloc(2 << 20);
+  msg = thrown([&] { set_checkpoint_pool_state(a, 1, cp, {inside.get()}, {}); });
+  expect(msg.find("did not free") != std::string::npos,
+         "as many stale storages as freed blocks, not theirs: " + msg);
+  expect(inside->data_ptr().get_deleter() == &slotpool_delete,
+         "that refused call gave the stale storage its deleter back");
+  expect(a.checkPoolLiveAllocations(1, pool, {cp_live.begin(), cp_live.end()}),
+         "the restore before that refusal freed n7");
+  (void)n7;
+  (void)inside->mutable_data_ptr().release_context();  // not an allocation
   inside.reset();
   (void)n3;
   for (void* p : in_cp) {
