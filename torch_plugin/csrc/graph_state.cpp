@@ -46,10 +46,10 @@ namespace {
 // below hold a few hundred KB, which a fresh allocation takes page by page from a heap that was
 // trimmed in between: graph trees call this at every branch switch.
 struct Scratch {
-  std::vector<uintptr_t> seen, freed, created;  // PtrSet tables
-  std::vector<uint64_t> claimed;  // (4): a bit per slot of the checkpoint's live set
-  std::vector<c10::StorageImpl*> stale;                    // (1), each storage once
-  std::vector<void*> stale_ptrs;                           // their data pointers, read once
+  std::vector<uintptr_t> seen, freed, created;  // PtrSet tables, built only when needed
+  std::vector<uint64_t> claimed;                // (4): a bit per slot of the checkpoint's live set
+  std::vector<c10::StorageImpl*> stale;         // (1), each storage once
+  std::vector<void*> stale_ptrs;                // their data pointers, read once
   // (4): each storage that took a deleter, with the deleter and device its DataPtr had.
   struct Taken {
     c10::StorageImpl* s;
@@ -147,9 +147,10 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
   Undo undo{sc, ours};
 
   // (1, 3) Each stale storage once, in order: a foreign deleter is refused, ours becomes
-  // deleteNothing. Each storage is read and written here once. A storage met again has
-  // deleteNothing now, as has one with a foreign deleter of that name: only then is a set of
-  // the storages taken built, to tell the two apart. Their pointers' fingerprint is for (3).
+  // deleteNothing. Each storage is read and written here once. A storage that does not hold
+  // ours is either one met before in this list (this loop gave it deleteNothing) or refused;
+  // only then is a set of the storages taken built, to tell the two apart. Their pointers'
+  // fingerprint is for (3).
   Fingerprint stale_fp;
   {
     std::optional<PtrSet> seen;  // the storages taken, once one has deleteNothing
