@@ -365,8 +365,8 @@ impl LiveMap {
     /// the first linked to the last ([`LiveOp::later`]): they are read once, in order, and the
     /// lists come in the order the addresses first changed. The ops between an older mark and
     /// the window go through `ends` (a buffer), each address's first and last there.
-    pub(crate) fn changes_since(
-        &self,
+    pub(crate) fn changes_since<'a>(
+        &'a self,
         m: LiveMark,
         ends: &mut FxHashMap<DevicePtr, (usize, usize)>,
         freed: &mut Vec<LiveEntry>,
@@ -379,22 +379,20 @@ impl LiveMap {
             .unwrap_or(usize::MAX)
             .clamp(start, ops.len());
         // The first op says what the address held then (a removal: that entry; an insertion:
-        // nothing), the last what it holds now.
-        let mut net = |first: &LiveOp, last: &LiveOp| {
-            let then = (!first.inserted).then_some(first.entry);
-            let now = last.inserted.then_some(last.entry);
-            if let (Some(t), Some(n)) = (then, now)
-                && t.serial == n.serial
-            {
-                debug_assert_eq!(t, n, "one allocation, two entries");
-                return;
+        // nothing), the last what it holds now. Matched on the two flags, not through options
+        // of entries: this runs once per changed address.
+        let mut net = |first: &LiveOp, last: &LiveOp| match (first.inserted, last.inserted) {
+            (true, true) => freed.push(last.entry),
+            (false, false) => created.push(first.entry),
+            (false, true) => {
+                if first.entry.serial == last.entry.serial {
+                    debug_assert_eq!(first.entry, last.entry, "one allocation, two entries");
+                } else {
+                    freed.push(last.entry);
+                    created.push(first.entry);
+                }
             }
-            if let Some(n) = now {
-                freed.push(n);
-            }
-            if let Some(t) = then {
-                created.push(t);
-            }
+            (true, false) => {}
         };
         ends.clear();
         for (k, op) in ops.iter().enumerate().take(window).skip(start) {
@@ -405,19 +403,27 @@ impl LiveMap {
         // The window's addresses; one that changed before it too starts from its first op
         // there.
         let in_window = &ops[window..];
-        for (k, op) in in_window.iter().enumerate() {
-            let last = match op.later {
-                LATER_OP => continue,
-                0 => op,
-                later => &in_window[k + later as usize],
-            };
-            let first = match ends.is_empty() {
-                true => op,
-                false => ends
-                    .remove(&op.entry.addr)
-                    .map_or(op, |(first, _)| &ops[first]),
-            };
-            net(first, last);
+        let last_of = |k: usize, op: &'a LiveOp| match op.later {
+            LATER_OP => None,
+            0 => Some(op),
+            later => Some(&in_window[k + later as usize]),
+        };
+        if ends.is_empty() {
+            // A restore to the newest mark: each address's first op links to its last.
+            for (k, op) in in_window.iter().enumerate() {
+                if let Some(last) = last_of(k, op) {
+                    net(op, last);
+                }
+            }
+        } else {
+            for (k, op) in in_window.iter().enumerate() {
+                if let Some(last) = last_of(k, op) {
+                    let first = ends
+                        .remove(&op.entry.addr)
+                        .map_or(op, |(first, _)| &ops[first]);
+                    net(first, last);
+                }
+            }
         }
         // The addresses that changed before the window only, in the order of their first op.
         for (k, op) in ops.iter().enumerate().take(window).skip(start) {

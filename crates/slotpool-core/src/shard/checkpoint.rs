@@ -14,6 +14,7 @@ use crate::live_map::{LiveEntry, LiveMap, LiveMark};
 use crate::sync::lock;
 use rustc_hash::FxHashMap;
 
+use super::restore_pages::{PageGeom, PageWork};
 use super::{Shard, ShardCell, ShardError};
 
 use crate::error::RestoreDiff;
@@ -71,14 +72,16 @@ pub(crate) struct RestoreScratch {
     lists: Vec<(Vec<LiveEntry>, Vec<LiveEntry>)>,
 }
 
-/// Drop `v`'s memory if it grew past [`RESTORE_BUFFER_KEEP`] entries.
-fn trim<T>(v: &mut Vec<T>) {
-    if v.capacity() > RESTORE_BUFFER_KEEP {
-        *v = Vec::new();
+impl RestoreScratch {
+    /// Whether the page work and the lists hold nothing over from a restore, as between
+    /// restores (`ends` is cleared when it is used).
+    #[cfg(test)]
+    pub(crate) fn is_clear(&self) -> bool {
+        self.pages.is_clear() && self.lists.iter().all(|(f, c)| f.is_empty() && c.is_empty())
     }
 }
 
-/// [`trim`] for a map.
+/// Drop `m`'s memory if it grew past [`RESTORE_BUFFER_KEEP`] entries.
 fn trim_map<K, V>(m: &mut FxHashMap<K, V>) {
     if m.capacity() > RESTORE_BUFFER_KEEP {
         *m = FxHashMap::default();
@@ -302,8 +305,9 @@ impl Shard {
             // unmapped), each page to its slot alone: checked here instead of through
             // `map_range`, which divides. First over the run's whole span, which holds every
             // page of its blocks: a graph's pool usually passes, and then no block needs its own.
-            let from = run.iter().map(|e| e.addr).min().unwrap_or(s.addr);
-            let end = run.iter().map(|e| e.addr + e.size).max().unwrap_or(s.addr);
+            let (from, end) = run.iter().fold((u64::MAX, 0), |(lo, hi), e| {
+                (lo.min(e.addr), hi.max(e.addr + e.size))
+            });
             if mapped_alone(pt, pages.range(s.addr, from, end - from)) {
                 continue;
             }
@@ -394,107 +398,10 @@ impl Shard {
         // Hand the buffers back for the next restore.
         plan.freed.clear();
         plan.created.clear();
-        trim(&mut sc.pages.touched);
         if plan.freed.capacity().max(plan.created.capacity()) <= RESTORE_BUFFER_KEEP {
             sc.lists.push((plan.freed, plan.created));
         }
         self.prune_marks();
-    }
-
-    /// `pages_live` for a restore, over a list of live blocks in any order: adds `d` to the
-    /// live counts of their vmm pages and lists each page once in `w`, leaving the idle bits to
-    /// [`Shard::settle_pages`]. With `retain` (the first list counted: the blocks the restore
-    /// takes back), their pages are marked graph-retained (classic segments: the whole
-    /// segment). The lists come in the order their addresses changed, which jumps from page to
-    /// page: each block costs one add and one bit test, and a page's own work is done once.
-    fn count_pages(
-        &mut self,
-        geom: PageGeom,
-        w: &mut PageWork,
-        list: &[LiveEntry],
-        d: i32,
-        retain: bool,
-    ) {
-        let start = w.touched.len();
-        debug_assert!(!retain || start == 0, "retained pages are the first list's");
-        let PageWork { touched, listed } = w;
-        // The segment of the block before: its id and address, and for a vmm one its pages and
-        // which of them are listed.
-        let (mut seg, mut base) = (SegmentId::MAX, 0);
-        let mut pages: Option<(&mut PageTable, &mut Vec<u64>)> = None;
-        for e in list {
-            if e.segment() != seg {
-                seg = e.segment();
-                let segment = &mut self.segments[seg];
-                base = segment.addr;
-                pages = match &mut segment.kind {
-                    SegmentKind::Vmm(pt) => {
-                        if listed.len() <= seg {
-                            listed.resize_with(seg + 1, Vec::new);
-                        }
-                        Some((pt, &mut listed[seg]))
-                    }
-                    _ => {
-                        segment.retained |= retain;
-                        None
-                    }
-                };
-            }
-            let Some((pt, bits)) = &mut pages else {
-                continue;
-            };
-            let (first, end) = geom.range(base, e.addr, e.size);
-            pt.cover(end);
-            if bits.len() * 64 < end {
-                bits.resize(pt.live.len().div_ceil(64), 0);
-            }
-            // Page p: one more (or fewer) live block over it, and listed if it is not yet.
-            let mut count = |p: usize| {
-                pt.live[p] = pt.live[p].wrapping_add_signed(d);
-                let (word, bit) = (&mut bits[p / 64], 1u64 << (p % 64));
-                if *word & bit == 0 {
-                    *word |= bit;
-                    touched.push((seg, p));
-                }
-            };
-            if end == first + 1 {
-                // Most blocks lie on one page.
-                count(first);
-            } else {
-                (first..end).for_each(count);
-            }
-        }
-        if retain {
-            for &(seg, p) in &touched[start..] {
-                if let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind
-                    && pt.handle[p].is_some()
-                {
-                    pt.set_retained(p, true);
-                }
-            }
-        }
-    }
-
-    /// Idle bits of the pages whose live counts changed. Pages that fall idle remember the current
-    /// epoch, as with `pages_live`. The counts end where one block at a time would leave them; a
-    /// page idle before the restore has no block to take out (it stays idle or turns live).
-    /// Leaves `w` empty for the next restore.
-    fn settle_pages(&mut self, w: &mut PageWork) {
-        let epoch = self.epoch;
-        for &(seg, p) in &w.touched {
-            w.listed[seg][p / 64] = 0;
-            let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
-                continue;
-            };
-            let idle = pt.live[p] == 0 && pt.handle[p].is_some();
-            if idle != pt.is_idle(p) {
-                pt.set_idle(p, idle);
-                if idle {
-                    pt.idle_epoch[p] = epoch;
-                }
-            }
-        }
-        w.touched.clear();
     }
 }
 
@@ -509,64 +416,4 @@ fn mapped_alone(pt: &PageTable, (first, end): (usize, usize)) -> bool {
         .get(first..end)
         .is_some_and(|h| h.iter().all(Option::is_some))
         && !pt.any_shared(first, end)
-}
-
-/// The vmm page size of a restore, and the pages under a block.
-#[derive(Clone, Copy, Debug)]
-struct PageGeom {
-    page_size: u64,
-    /// `log2(page_size)` when it is a power of two (a shift instead of two divisions a block).
-    shift: Option<u32>,
-}
-
-impl PageGeom {
-    fn new(page_size: u64) -> Self {
-        PageGeom {
-            page_size,
-            shift: page_size
-                .is_power_of_two()
-                .then(|| page_size.trailing_zeros()),
-        }
-    }
-
-    /// Pages under [addr, addr+size) of a segment at `seg_addr` (`Shard::page_range`).
-    #[inline]
-    fn range(&self, seg_addr: u64, addr: u64, size: u64) -> (usize, usize) {
-        let (from, to) = (addr - seg_addr, addr + size - seg_addr);
-        match self.shift {
-            Some(s) => (
-                (from >> s) as usize,
-                ((to + self.page_size - 1) >> s) as usize,
-            ),
-            None => (
-                (from / self.page_size) as usize,
-                to.div_ceil(self.page_size) as usize,
-            ),
-        }
-    }
-}
-
-/// vmm page work of a restore: live counts per block, idle bits once per page at the end.
-#[derive(Debug, Default)]
-pub(crate) struct PageWork {
-    /// Pages whose live counts changed, each once.
-    touched: Vec<(SegmentId, usize)>,
-    /// By segment id: bit p set when page p is in `touched` (clear between restores).
-    listed: Vec<Vec<u64>>,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::trim;
-    use crate::checkpoint::RESTORE_BUFFER_KEEP as KEEP;
-
-    #[test]
-    fn only_buffers_grown_past_keep_are_given_back() {
-        let mut big: Vec<u64> = Vec::with_capacity(KEEP + 1);
-        trim(&mut big);
-        assert_eq!(big.capacity(), 0);
-        let mut kept: Vec<u64> = Vec::with_capacity(KEEP);
-        trim(&mut kept);
-        assert!(kept.capacity() >= KEEP);
-    }
 }

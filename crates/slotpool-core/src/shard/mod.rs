@@ -9,6 +9,7 @@ mod pages;
 mod pause;
 mod quick;
 mod release;
+mod restore_pages;
 mod runs;
 #[cfg(test)]
 mod tests;

@@ -123,6 +123,10 @@ fn many_changes(growth: GrowthMode) {
         a.check_invariants().unwrap();
         assert_eq!(blocks(&a), at_cp, "round {round}");
         check_delta(&delta, &now, &live);
+        assert!(
+            crate::sync::lock(&a.reclaim).is_clear(),
+            "a restore left its buffers holding work"
+        );
         spare = delta;
         // A shard made since keeps its segments (they are never released while a
         // checkpoint is alive), each one free block.
