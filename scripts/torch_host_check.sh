@@ -9,6 +9,10 @@
 #                                                 bindings too), the checks and the GPU bench's
 #                                                 C++ (benches/gpu/ckpt_state_set.cpp), warnings
 #                                                 as errors; needs neither libslotpool.so nor Rust
+#   ./scripts/torch_host_check.sh --bench [N] [R] the setCheckpointPoolState binding's host cost
+#                                                 (torch_plugin/tests/graph_state_bench.cpp: N
+#                                                 live blocks, default 10000, R repeats), -O2;
+#                                                 BENCH_WRAP runs it under a tool (callgrind)
 #
 # Where torch 2.11 is installed (the GPU machine), its headers and libraries are used, with the
 # CUDA toolkit's (CUDA_HOME, default /usr/local/cuda). Elsewhere the torch wheel and the CUDA
@@ -18,10 +22,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SYNTAX_ONLY=0
+BENCH=0
 case ${1:-} in
   --syntax-only) SYNTAX_ONLY=1 ;;
+  --bench) BENCH=1; shift ;;
   "") ;;
-  *) echo "torch_host_check.sh: unknown argument $1 (--syntax-only or none)" >&2; exit 2 ;;
+  *) echo "torch_host_check.sh: unknown argument $1 (--syntax-only, --bench or none)" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
 if "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.11") else 1)' 2>/dev/null; then
@@ -61,7 +67,8 @@ print(" ".join("torch_plugin/csrc/" + s for s in (l.ALLOCATOR_SOURCES if sys.arg
 }
 if [ "$SYNTAX_ONLY" = 1 ]; then
   # torch's, CUDA's and Python's headers as system headers: the warnings are the shim's own.
-  for f in $(sources all) torch_plugin/tests/host_check.cpp benches/gpu/ckpt_state_set.cpp; do
+  for f in $(sources all) torch_plugin/tests/host_check.cpp torch_plugin/tests/graph_state_bench.cpp \
+    benches/gpu/ckpt_state_set.cpp; do
     echo "syntax: $f"
     g++ -std=c++17 -fsyntax-only -Wall -Wextra -Werror -D_GLIBCXX_USE_CXX11_ABI=1 -I include \
       -I torch_plugin/csrc -isystem "$T" -isystem "$T/torch/csrc/api/include" -isystem "$CUDA_INC" \
@@ -82,11 +89,20 @@ OUT=${TORCH_HOST_OUT:-target/torch-host}
 mkdir -p "$OUT/lib"
 # The program records the library's SONAME, libslotpool.so.0, which cargo's output lacks.
 [ -e "$SPLIB/libslotpool.so.0" ] || ln -sf "$SPLIB/libslotpool.so" "$OUT/lib/libslotpool.so.0"
-g++ -std=c++17 -O1 -g -D_GLIBCXX_USE_CXX11_ABI=1 -I include -I "$T" -I "$T/torch/csrc/api/include" \
-  -I "$CUDA_INC" -I "$PYINC" \
-  $(sources allocator) torch_plugin/tests/host_check.cpp \
-  -o "$OUT/host_check" \
-  -L "$SPLIB" -lslotpool -L "$TLIB" -lc10 -lc10_cuda -L "$CUDA_LIB" "$CUDART" \
-  -L "$PYLIB" "-lpython$PYVER" \
-  -Wl,-rpath,"$SPLIB:$(cd "$OUT/lib" && pwd):$TLIB:$CUDA_LIB:$PYLIB"
+link() { # program source opt
+  # shellcheck disable=SC2086 # $3: the flags, split
+  g++ -std=c++17 $3 -g -D_GLIBCXX_USE_CXX11_ABI=1 -I include -I "$T" -I "$T/torch/csrc/api/include" \
+    -I "$CUDA_INC" -I "$PYINC" \
+    $(sources allocator) "$2" \
+    -o "$OUT/$1" \
+    -L "$SPLIB" -lslotpool -L "$TLIB" -lc10 -lc10_cuda -L "$CUDA_LIB" "$CUDART" \
+    -L "$PYLIB" "-lpython$PYVER" \
+    -Wl,-rpath,"$SPLIB:$(cd "$OUT/lib" && pwd):$TLIB:$CUDA_LIB:$PYLIB"
+}
+if [ "$BENCH" = 1 ]; then
+  link graph_state_bench torch_plugin/tests/graph_state_bench.cpp "-O2 -DSLOTPOOL_TORCH_PHASES"
+  ${BENCH_WRAP:-} "$OUT/graph_state_bench" "$@"
+  exit
+fi
+link host_check torch_plugin/tests/host_check.cpp "-O1"
 "$OUT/host_check"

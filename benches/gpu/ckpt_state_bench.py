@@ -4,7 +4,9 @@ of N live blocks with half of them changed since torch._C._cuda_getCheckpointSta
 (slotpool_torch) and under PyTorch's own allocator, each in its own process.
 
 usage: python3 benches/gpu/ckpt_state_bench.py [--out DIR] [--sizes 100,1000,10000]
-                                               [--repeats 7] [--alloc native,slotpool]
+                                               [--repeats 7] [--rounds 1] [--cpus 2-5]
+                                               [--only-set] [--phases]
+                                               [--alloc native,slotpool]
 
 One repeat, in a fresh MemPool (a private pool, as a graph's), for N live blocks:
   1. 2N tensors of 512 B .. 6.5 KiB allocated into the pool, every other one dropped: N live
@@ -21,6 +23,14 @@ One repeat, in a fresh MemPool (a private pool, as a graph's), for N live blocks
   6. checked: the pool's live allocations are exactly the N/2 survivors
      (torch._C._cuda_checkPoolLiveAllocations); a repeat that fails the check fails the run.
 The first repeat of each size warms up and is left out; the table shows medians of the others.
+Step 4 also records the minor page faults it took (set_faults) and its thread's CPU time
+(set_cpu_us): wall time well above the CPU time is time the thread was not running.
+With --rounds R each allocator runs in R children, alternated (native, slotpool, then slotpool,
+native, ...), and the figures are medians of every round's repeats pooled, so that a host that
+drifts over the run weighs on both alike; set_us_rounds gives each round's median. --cpus pins
+every child to the same CPUs. --phases builds slotpool_torch with SLOTPOOL_TORCH_PHASES=1 (in a
+build folder of its own) and reports the binding's steps (phase_<step>_us: ints, setup, stale,
+add, events, restore, lists, checks; torch_plugin/csrc/phases.h).
 Then graph trees' own pattern (gt_*: no stale storages, the survivors' storages made without a
 deleter take one from the call; one_repeat_graph_trees), through torch._C and, under slotpool,
 PyTorch's binding.
@@ -36,6 +46,7 @@ SLOTPOOL_TORCH_BUILD_DIR (where the extension is built just in time), SLOTPOOL_T
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -65,6 +76,11 @@ def build_set_ext():
         return f"{type(e).__name__}: {e}"[:1000]
 
 
+def minor_faults():
+    """The process's minor page faults so far (a fault taken inside a timed call is its time)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def one_repeat(torch, n, device, set_ext=None, set_fn=None):
     first_sizes = [512 * (i % 13 + 1) for i in range(2 * n)]
     new_sizes = [512 * ((7 * i) % 11 + 1) + 256 for i in range(n // 2)]
@@ -88,12 +104,21 @@ def one_repeat(torch, n, device, set_ext=None, set_fn=None):
     torch.cuda.synchronize()
 
     alloc_us = None
+    flt, cpu = minor_faults(), time.thread_time()
     t = time.perf_counter()
     if set_ext is None:
         (set_fn or torch._C._cuda_setCheckpointPoolState)(device, state, stale, [])
     else:
         alloc_us = set_ext.set_state_timed(device, state, stale)[0]
     t_set = time.perf_counter()
+    flt, cpu = minor_faults() - flt, time.thread_time() - cpu
+    steps = {}
+    if set_fn is None and set_ext is None:
+        # The binding's own steps, when slotpool_torch was built with SLOTPOOL_TORCH_PHASES=1.
+        spt = sys.modules.get("slotpool_torch")
+        ext = getattr(spt, "_ext", None)
+        if ext is not None and hasattr(ext, "graph_state_phases"):
+            steps = {f"phase_{k}_us": v for k, v in ext.graph_state_phases()}
     for p in dead_ptrs:
         torch._C._cuda_cudaCachingAllocator_raw_delete(p)
     t_switch = time.perf_counter()
@@ -104,7 +129,8 @@ def one_repeat(torch, n, device, set_ext=None, set_fn=None):
     torch.cuda.synchronize()
     del pool
     return {"get_us": get_us, "set_us": (t_set - t) * 1e6, "switch_us": (t_switch - t) * 1e6,
-            "alloc_us": alloc_us, "live_check": bool(ok)}
+            "alloc_us": alloc_us, "set_faults": flt, "set_cpu_us": cpu * 1e6,
+            "live_check": bool(ok), **steps}
 
 
 def one_repeat_graph_trees(torch, n, device, set_fn=None):
@@ -146,7 +172,9 @@ def one_repeat_graph_trees(torch, n, device, set_fn=None):
     return {"set_us": (t_set - t) * 1e6, "switch_us": (t_switch - t) * 1e6, "live_check": bool(ok)}
 
 
-def child(alloc, sizes, repeats):
+def child(alloc, sizes, repeats, only_set=False):
+    """Every size's samples under one allocator: per key, one value per timed repeat (the first
+    repeat of each kind warms up and is left out). only_set: the stale storages' call alone."""
     slotpool_torch = None
     if alloc == "slotpool":
         sys.path.insert(0, PLUGIN)
@@ -158,53 +186,77 @@ def child(alloc, sizes, repeats):
     torch.empty(1, device="cuda")
     device = torch.cuda.current_device()
     out = {"alloc": alloc, "backend": torch.cuda.get_allocator_backend(), "sizes": {}}
-    set_ext = build_set_ext()
+    set_ext = None if only_set else build_set_ext()
     if isinstance(set_ext, str):
         out["alloc_us_error"] = set_ext
         set_ext = None
+
+    def samples(fn, keys, prefix=""):
+        runs = [fn() for _ in range(repeats + 1)][1:]
+        keys = [*keys, *sorted({k for r in runs for k in r if k.startswith("phase_")})]
+        got = {prefix + k: [r.get(k, 0.0) for r in runs] for k in keys}
+        return got, all(r["live_check"] for r in runs)
+
     for n in sizes:
-        runs = [one_repeat(torch, n, device) for _ in range(repeats + 1)][1:]
-        keys = ("get_us", "set_us", "switch_us")
-        res = {k: statistics.median(r[k] for r in runs) for k in keys}
-        res.update({k.replace("_us", "_min_us"): min(r[k] for r in runs) for k in keys})
-        res["set_us_all"] = [round(r["set_us"], 1) for r in runs]
-        res["live_check"] = all(r["live_check"] for r in runs)
-        if alloc == "slotpool":
-            # PyTorch's own binding over slotpool's allocator (install() replaced torch._C's).
-            theirs = [one_repeat(torch, n, device, set_fn=slotpool_torch.torch_set_checkpoint_pool_state)
-                      for _ in range(repeats + 1)][1:]
-            res["pytorch_binding_us"] = statistics.median(r["set_us"] for r in theirs)
-            res["live_check"] = res["live_check"] and all(r["live_check"] for r in theirs)
-        # Graph trees' own pattern, through torch._C (and, under slotpool, PyTorch's binding).
-        gt = [one_repeat_graph_trees(torch, n, device) for _ in range(repeats + 1)][1:]
-        res["gt_set_us"] = statistics.median(r["set_us"] for r in gt)
-        res["gt_switch_us"] = statistics.median(r["switch_us"] for r in gt)
-        res["live_check"] = res["live_check"] and all(r["live_check"] for r in gt)
-        if alloc == "slotpool":
-            gt = [one_repeat_graph_trees(torch, n, device, slotpool_torch.torch_set_checkpoint_pool_state)
-                  for _ in range(repeats + 1)][1:]
-            res["gt_pytorch_binding_us"] = statistics.median(r["set_us"] for r in gt)
-            res["live_check"] = res["live_check"] and all(r["live_check"] for r in gt)
-        if set_ext is not None:
-            alone = [one_repeat(torch, n, device, set_ext) for _ in range(repeats + 1)][1:]
-            res["alloc_us"] = statistics.median(r["alloc_us"] for r in alone)
-            res["alloc_min_us"] = min(r["alloc_us"] for r in alone)
-            res["live_check"] = res["live_check"] and all(r["live_check"] for r in alone)
+        res, ok = samples(lambda: one_repeat(torch, n, device),
+                          ("get_us", "set_us", "switch_us", "set_faults", "set_cpu_us"))
+        more = []
+        if not only_set:
+            if alloc == "slotpool":
+                # PyTorch's own binding over slotpool's allocator (install() replaced torch._C's).
+                theirs = slotpool_torch.torch_set_checkpoint_pool_state
+                more.append(samples(lambda: one_repeat(torch, n, device, set_fn=theirs),
+                                    ("set_us",), "pytorch_binding_"))
+            # Graph trees' own pattern, through torch._C (and, under slotpool, PyTorch's binding).
+            more.append(samples(lambda: one_repeat_graph_trees(torch, n, device),
+                                ("set_us", "switch_us"), "gt_"))
+            if alloc == "slotpool":
+                more.append(samples(lambda: one_repeat_graph_trees(torch, n, device, theirs),
+                                    ("set_us",), "gt_pytorch_binding_"))
+            if set_ext is not None:
+                more.append(samples(lambda: one_repeat(torch, n, device, set_ext), ("alloc_us",)))
+        for got, good in more:
+            res.update(got)
+            ok = ok and good
+        res["live_check"] = ok
         out["sizes"][str(n)] = res
-        print(json.dumps({"alloc": alloc, "live_blocks": n, **res}), file=sys.stderr, flush=True)
+        print(json.dumps({"alloc": alloc, "live_blocks": n, **medians(res)}), file=sys.stderr,
+              flush=True)
     out["ok"] = all(r["live_check"] for r in out["sizes"].values())
+    return out
+
+
+def medians(res):
+    """A size's samples as medians (`<key>`) and minimums (`<key>_min`), and the set call's
+    samples as they came (`set_us_all`)."""
+    out = {"live_check": res["live_check"]}
+    for k, v in res.items():
+        if isinstance(v, list) and v:
+            out[k] = statistics.median(v)
+            out[k + "_min"] = min(v)
+    if "set_us" in res:
+        out["set_us_all"] = [round(x, 1) for x in res["set_us"]]
     return out
 
 
 # =================================================================================================
 # Parent: one child per allocator, the table, the JSON file.
 
-def run_child(alloc, sizes, repeats, timeout):
+def run_child(alloc, sizes, repeats, timeout, only_set=False, cpus=None, phases=False):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if phases and alloc == "slotpool":
+        # The binding's steps timed (phases.h), in a build of the extension of its own.
+        env["SLOTPOOL_TORCH_PHASES"] = "1"
+        if env.get("SLOTPOOL_TORCH_BUILD_DIR"):
+            env["SLOTPOOL_TORCH_BUILD_DIR"] += "-phases"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", alloc,
            "--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)]
+    if only_set:
+        cmd.append("--only-set")
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                           preexec_fn=pin)
     except subprocess.TimeoutExpired:
         return {"alloc": alloc, "ok": False, "error": f"timed out after {timeout} s"}
     sys.stderr.write(p.stderr[-4000:])
@@ -215,11 +267,43 @@ def run_child(alloc, sizes, repeats, timeout):
             "stderr_tail": p.stderr[-2000:]}
 
 
+def pooled(runs):
+    """One allocator's children (one per round) as one result: each size's samples pooled over
+    the rounds, as medians and minimums, with each round's median of the set call."""
+    out = {"alloc": runs[0]["alloc"], "ok": all(r.get("ok") for r in runs), "sizes": {},
+           "rounds": len(runs)}
+    for k in ("backend", "alloc_us_error", "error", "traceback", "stderr_tail"):
+        for r in runs:
+            if k in r:
+                out[k] = r[k]
+    for n in runs[0].get("sizes", {}):
+        per = [r["sizes"][n] for r in runs if n in r.get("sizes", {})]
+        res = {"live_check": all(x["live_check"] for x in per)}
+        for k, v in per[0].items():
+            if isinstance(v, list):
+                res[k] = [y for x in per for y in x.get(k, [])]
+        med = medians(res)
+        med["set_us_rounds"] = [round(statistics.median(x["set_us"]), 1) for x in per]
+        out["sizes"][n] = med
+    return out
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sizes", default="100,1000,10000")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="children per allocator, alternated (native, slotpool, slotpool, "
+                         "native, ...); samples are pooled over the rounds")
+    ap.add_argument("--only-set", action="store_true",
+                    help="the stale storages' call alone (no graph trees' pattern, no PyTorch "
+                         "binding over slotpool, no allocator-alone figures)")
+    ap.add_argument("--phases", action="store_true",
+                    help="under slotpool, the binding's steps timed too (phase_<step>_us; a "
+                         "build of the extension with SLOTPOOL_TORCH_PHASES=1)")
+    ap.add_argument("--cpus", default="",
+                    help="pin every child to these CPUs (e.g. 2-5), the same for both allocators")
     ap.add_argument("--alloc", default="native,slotpool")
     ap.add_argument("--timeout", type=int, default=int(os.environ.get("CHILD_TIMEOUT", "540")))
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -227,15 +311,26 @@ def main(argv):
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if args.child:
         try:
-            res = child(args.child, sizes, args.repeats)
+            res = child(args.child, sizes, args.repeats, args.only_set)
         except Exception as e:  # noqa: BLE001
             res = {"alloc": args.child, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000],
                    "traceback": traceback.format_exc()[-3000:]}
         print(json.dumps(res), flush=True)
         return 0
 
+    cpus = set()
+    for part in filter(None, args.cpus.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
     allocs = [a for a in args.alloc.split(",") if a]
-    results = {a: run_child(a, sizes, args.repeats, args.timeout) for a in allocs}
+    runs = {a: [] for a in allocs}
+    for r in range(args.rounds):
+        # Alternated, and each round in the other order: a drift of the host over the run
+        # falls on both allocators alike.
+        for a in (allocs if r % 2 == 0 else allocs[::-1]):
+            runs[a].append(run_child(a, sizes, args.repeats, args.timeout, args.only_set, cpus,
+                                     args.phases))
+    results = {a: pooled(rs) for a, rs in runs.items()}
     import torch  # only for the record of what ran
 
     report = {
@@ -246,6 +341,9 @@ def main(argv):
         "cuda": torch.version.cuda,
         "command": " ".join([os.path.relpath(__file__, REPO)] + argv),
         "repeats": args.repeats,
+        "rounds": args.rounds,
+        "phases": args.phases,
+        "cpus": sorted(cpus),
         "results": results,
         "ratio": {},        # native / slotpool, set_us (the torch._C call)
         "ratio_alone": {},  # native / slotpool, alloc_us (the allocator's call alone)
@@ -267,17 +365,24 @@ def main(argv):
 
     for a, r in results.items():
         for n, v in r.get("sizes", {}).items():
-            print(json.dumps({"alloc": a, "live_blocks": int(n), "set_us": round(v["set_us"], 1),
-                              "switch_us": round(v["switch_us"], 1), "get_us": round(v["get_us"], 1),
-                              "alloc_us": round(v["alloc_us"], 1) if "alloc_us" in v else None,
-                              "pytorch_binding_us": (round(v["pytorch_binding_us"], 1)
-                                                     if "pytorch_binding_us" in v else None),
+            def r1(k):
+                return round(v[k], 1) if k in v else None
+            print(json.dumps({"alloc": a, "live_blocks": int(n), "set_us": r1("set_us"),
+                              "set_us_min": r1("set_us_min"), "set_cpu_us": r1("set_cpu_us"),
+                              "set_faults": v.get("set_faults"),
+                              "set_us_rounds": v.get("set_us_rounds"),
+                              "switch_us": r1("switch_us"), "get_us": r1("get_us"),
+                              "alloc_us": r1("alloc_us"), "pytorch_binding_us": r1("pytorch_binding_us"),
+                              "gt_set_us": r1("gt_set_us"),
+                              **{k: r1(k) for k in v
+                                 if k.startswith("phase_") and not k.endswith("_min")},
                               "live_check": v["live_check"]}))
         if r.get("alloc_us_error"):
             print(json.dumps({"alloc": a, "alloc_us_error": r["alloc_us_error"]}))
         if not r.get("ok"):
             print(json.dumps({"alloc": a, "ok": False, "error": r.get("error", "live check failed")}))
-    print(f"\nsetCheckpointPoolState, half of the live blocks changed (median of {args.repeats}, us)")
+    print(f"\nsetCheckpointPoolState, half of the live blocks changed (median of {args.repeats} "
+          f"repeats x {args.rounds} rounds, us)")
     print(f"{'live blocks':>11}  {'native set':>11}  {'slotpool set':>12}  {'ratio':>7}  "
           f"{'native switch':>13}  {'slotpool switch':>15}  {'native alone':>12}  "
           f"{'slotpool alone':>14}  {'slotpool, torch binding':>23}")

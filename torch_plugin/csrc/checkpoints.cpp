@@ -1,6 +1,7 @@
 // Checkpoints: getCheckpointState / setCheckpointPoolState (CUDA graph trees), slotpool_torch's
 // checkpoint and restore, and variant groups. See "Checkpoints" in slotpool_allocator.h.
 #include "internal.h"
+#include "phases.h"
 #include "ptr_set.h"
 
 #include <c10/cuda/CUDAException.h>
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <utility>
 
 namespace slotpool_torch {
 
@@ -136,17 +138,37 @@ void SlotpoolAllocator::restore_graph_state(std::shared_ptr<CheckpointState> sta
                                             GraphRestore& out) {
   ensure_initialized();
   (void)sp_process_events(state->device);
+  phase("events");
+  out.reset();
   DeltaGuard delta;
   void* none[1] = {nullptr};  // keep nothing (PyTorch's restore has no keep set)
   check(sp_checkpoint_restore(state->cp, none, 0, &delta.p), "sp_checkpoint_restore");
+  phase("restore");
   delta_ptrs(delta.p, /*created=*/false, out.freed);
-  delta_ptrs(delta.p, /*created=*/true, out.created);
+  out.delta.reset(std::exchange(delta.p, nullptr), [](sp_restore_delta* d) { (void)sp_delta_free(d); });
   out.state = std::move(state);
+  phase("lists");
+}
+
+const std::vector<void*>& GraphRestore::created() const {
+  if (!created_read_) {
+    TORCH_CHECK(delta != nullptr, "slotpool: a restore's created list read after reset");
+    delta_ptrs(delta.get(), /*created=*/true, created_);
+    created_read_ = true;
+  }
+  return created_;
+}
+
+void GraphRestore::reset() {
+  state.reset();
+  delta.reset();
+  created_read_ = false;
 }
 
 PtrSet GraphRestore::created_set(std::vector<uintptr_t>& slots) const {
-  PtrSet set(created.size(), slots);
-  for (void* p : created) {
+  const std::vector<void*>& made = created();
+  PtrSet set(made.size(), slots);
+  for (void* p : made) {
     set.insert(p);
   }
   return set;

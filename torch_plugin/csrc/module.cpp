@@ -7,6 +7,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "phases.h"
 #include "slotpool_allocator.h"
 
 namespace py = pybind11;
@@ -37,15 +38,16 @@ py::list ptr_sizes(const std::vector<sp::PtrSize>& v) {
   return out;
 }
 
-// A list (or any sequence) of StorageImpl addresses, as Python holds them (`storage._cdata`).
-std::vector<c10::StorageImpl*> storage_ptrs(const py::handle& seq, const char* what) {
+// A list (or any sequence) of StorageImpl addresses, as Python holds them (`storage._cdata`),
+// into `out` (cleared; its capacity is kept, so a caller that keeps it allocates nothing).
+void storage_ptrs(const py::handle& seq, const char* what, std::vector<c10::StorageImpl*>& out) {
   py::object fast = py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), what));
   if (!fast) {
     throw py::error_already_set();
   }
   Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
   PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
-  std::vector<c10::StorageImpl*> out;
+  out.clear();
   out.reserve(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; i++) {
     void* p = PyLong_AsVoidPtr(items[i]);
@@ -54,7 +56,6 @@ std::vector<c10::StorageImpl*> storage_ptrs(const py::handle& seq, const char* w
     }
     out.push_back(static_cast<c10::StorageImpl*>(p));
   }
-  return out;
 }
 
 py::dict restore_dict(const sp::RestoreResult& r) {
@@ -312,12 +313,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "set_checkpoint_pool_state",
       [](c10::DeviceIndex device, const std::shared_ptr<sp::CCA::AllocatorState>& state,
          const py::handle& stale, const py::handle& add) {
-        sp::set_checkpoint_pool_state(
-            alloc(), device, state, storage_ptrs(stale, "stale_storages_ptr: a sequence of ints"),
-            storage_ptrs(add, "storages_to_add_deleters_to: a sequence of ints"));
+        sp::phase("start", true);
+        // Kept from call to call, as the binding's own buffers (graph trees call this at every
+        // branch switch).
+        thread_local std::vector<c10::StorageImpl*> stale_v, add_v;
+        storage_ptrs(stale, "stale_storages_ptr: a sequence of ints", stale_v);
+        storage_ptrs(add, "storages_to_add_deleters_to: a sequence of ints", add_v);
+        sp::phase("ints");
+        sp::set_checkpoint_pool_state(alloc(), device, state, stale_v, add_v);
       },
       py::arg("device"), py::arg("state"), py::arg("stale_storages_ptr"),
       py::arg("storages_to_add_deleters_to") = py::list());
+  // The last set_checkpoint_pool_state's steps on this thread, (step, microseconds), when built
+  // with SLOTPOOL_TORCH_PHASES=1 (phases.h); else empty.
+  m.def("graph_state_phases", []() {
+    std::vector<std::pair<std::string, double>> out;
+#ifdef SLOTPOOL_TORCH_PHASES
+    const auto& v = sp::phase_stamps();
+    for (size_t i = 1; i < v.size(); ++i) {
+      out.emplace_back(v[i].first, v[i].second - v[i - 1].second);
+    }
+#endif
+    return out;
+  });
   m.def("checkpoint", [](int device, const Pool& pool) {
     return alloc().take_checkpoint(device, pool_of(pool));
   });

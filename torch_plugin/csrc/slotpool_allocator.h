@@ -17,6 +17,7 @@
 //   checkpoints.cpp  getCheckpointState / setCheckpointPoolState, restores, variant groups
 //   graph_state.cpp  torch._C._cuda_setCheckpointPoolState's work on the restore's lists
 //   ptr_set.h        the address set of those two (open addressing in a caller's vector)
+//   phases.h         graph_state.cpp's steps timed, when built with SLOTPOOL_TORCH_PHASES
 //   history.cpp      recordHistory, stacks, trace trackers
 //   snapshot.cpp     snapshot() for memory_viz, getExpandableSegmentSizes
 //   ipc.cpp          CUDA IPC handles
@@ -137,11 +138,18 @@ struct CheckpointState;
 // What a restore of a getCheckpointState state did, as both setCheckpointPoolState and
 // set_checkpoint_pool_state (graph_state.cpp) read it. Its lists are in no particular order.
 struct GraphRestore {
-  std::vector<void*> freed;    // live before, freed by the restore
-  std::vector<void*> created;  // re-created by the restore
+  std::vector<void*> freed;  // live before, freed by the restore
   std::shared_ptr<CheckpointState> state;  // state->live: what is live in the pool now
-  // The set of `created`, in `slots` (a table the caller keeps).
+  // Re-created by the restore, read from the delta on first use (the usual call of
+  // set_checkpoint_pool_state needs only `freed`).
+  const std::vector<void*>& created() const;
+  // The set of created(), in `slots` (a table the caller keeps).
   PtrSet created_set(std::vector<uintptr_t>& slots) const;
+  // Lets go of the state and the delta (the buffers stay for the next restore).
+  void reset();
+  std::shared_ptr<sp_restore_delta> delta;  // the restore's own, until reset()
+  mutable std::vector<void*> created_;      // created(), once read
+  mutable bool created_read_ = false;
   // Calls f for each survivor: live in the checkpoint and before the restore, untouched by it
   // (state->live less created), lowest address first.
   void for_each_survivor(const std::function<void(void*)>& f) const;

@@ -198,6 +198,9 @@ def build_jit(verbose: bool = False):
                 "-O2",
                 # SLOTPOOL_TORCH_DEBUG=1: debug info, for addr2line on a crash report.
                 *(["-g"] if os.environ.get("SLOTPOOL_TORCH_DEBUG") == "1" else []),
+                # SLOTPOOL_TORCH_PHASES=1: set_checkpoint_pool_state times its steps (phases.h).
+                *(["-DSLOTPOOL_TORCH_PHASES"] if os.environ.get("SLOTPOOL_TORCH_PHASES") == "1"
+                  else []),
                 "-fvisibility=hidden",
                 f"-DSLOTPOOL_TORCH_VERSION_STR={torch.__version__}",
             ],

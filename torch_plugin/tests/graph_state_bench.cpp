@@ -1,0 +1,178 @@
+// Host cost of slotpool's setCheckpointPoolState binding (graph_state.cpp) on the simulated
+// device, without Python: the pattern of benches/gpu/ckpt_state_bench.py's stale storages. A
+// private pool of N live blocks and N holes, checkpointed; half the live blocks die and as many
+// new blocks of other sizes are allocated, each with a storage that owns it; then, timed, either
+// the whole binding (`set`: the stale storages lose their deleters, the restore, the checks) or
+// the restore alone as the binding calls it (`restore`: sp_checkpoint_restore and the delta's
+// lists). Built and run by `scripts/torch_host_check.sh --bench [N] [REPEATS]`; under
+// `valgrind --tool=callgrind` its instruction counts are free of the host's noise.
+//
+// Prints one line per kind: the median and minimum over the repeats, in microseconds, the
+// median page faults taken inside the call, and the median of each of the binding's steps
+// (the script builds it with SLOTPOOL_TORCH_PHASES, torch_plugin/csrc/phases.h).
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <sys/resource.h>
+
+#include "../csrc/phases.h"
+#include "../csrc/slotpool_allocator.h"
+
+#include <c10/core/StorageImpl.h>
+
+// Symbols of libtorch_cuda the shim references but this bench never reaches (installing the
+// allocator): defined here so that only c10 is needed.
+namespace torch::cuda::CUDAPluggableAllocator {
+void changeCurrentAllocator(
+    const std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator>&) {
+  std::fprintf(stderr, "graph_state_bench: changeCurrentAllocator called\n");
+  std::abort();
+}
+}  // namespace torch::cuda::CUDAPluggableAllocator
+
+namespace {
+
+using slotpool_torch::SlotpoolAllocator;
+
+// Allocations on a stream go to the pool while it is routed there. The type's name holds
+// CUDAGraph, as PyTorch's capture filters' do: the shim then routes by the stream it names
+// without asking CUDA for the current one.
+struct FakeCUDAGraphFilter {
+  cudaStream_t s;
+  bool operator()(cudaStream_t t) const { return t == s; }
+};
+
+// Minor page faults of the process so far (a fault inside the timed call is part of its time).
+long minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
+struct Sample {
+  double us;
+  long faults;
+  std::vector<std::pair<std::string, double>> steps;  // the binding's (phases.h), in order
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// One repeat in a fresh pool: the timed call's microseconds and page faults.
+Sample one_repeat(SlotpoolAllocator& a, size_t n, int id, bool whole) {
+  auto* s = reinterpret_cast<cudaStream_t>(7);
+  const c10::Device dev(c10::DeviceType::CUDA, 1);
+  c10::MempoolId_t pool{static_cast<c10::CaptureId_t>(1000 + id), 0};
+  a.createOrIncrefPool(1, pool);
+  a.beginAllocateToPool(1, pool, FakeCUDAGraphFilter{s});
+  std::vector<void*> live;
+  for (size_t i = 0; i < 2 * n; ++i) {
+    void* p = a.malloc_impl(1, 512 * (i % 13 + 1), s);
+    if (i % 2 == 1) {
+      live.push_back(p);
+    } else {
+      a.free_ptr(p, true);
+    }
+  }
+  auto state = a.getCheckpointState(1, pool);
+  std::vector<void*> dead;
+  for (size_t i = 0; i < live.size(); i += 2) {
+    dead.push_back(live[i]);
+    a.free_ptr(live[i], true);
+  }
+  // The new blocks' storages, spread over the heap as PyTorch's lie among its tensors and
+  // Python objects (a filler allocation between two storages).
+  std::vector<c10::intrusive_ptr<c10::StorageImpl>> owners;
+  std::vector<std::unique_ptr<char[]>> filler;
+  std::vector<c10::StorageImpl*> stale;
+  for (size_t i = 0; i < n / 2; ++i) {
+    size_t bytes = 512 * ((7 * i) % 11 + 1) + 256;
+    void* p = a.malloc_impl(1, bytes, s);
+    owners.push_back(c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(), bytes,
+        c10::DataPtr(p, p, &slotpool_torch::slotpool_delete, dev), nullptr, false));
+    filler.emplace_back(new char[448]);
+    stale.push_back(owners.back().get());
+  }
+  a.endAllocateToPool(1, pool);
+
+  slotpool_torch::phase("start", true);
+  const long f0 = minor_faults();
+  auto t0 = std::chrono::steady_clock::now();
+  if (whole) {
+    slotpool_torch::set_checkpoint_pool_state(a, 1, state, stale, {});
+  } else {
+    slotpool_torch::GraphRestore r;
+    a.restore_graph_state(slotpool_torch::graph_checkpoint_state(1, state), r);
+    for (auto* st : stale) {  // as the binding: their memory is the restore's now
+      (void)st->mutable_data_ptr().compare_exchange_deleter(&slotpool_torch::slotpool_delete,
+                                                            &c10::detail::deleteNothing);
+    }
+  }
+  auto t1 = std::chrono::steady_clock::now();
+  const long faults = minor_faults() - f0;
+  Sample out{std::chrono::duration<double, std::micro>(t1 - t0).count(), faults, {}};
+#ifdef SLOTPOOL_TORCH_PHASES
+  const auto& st = slotpool_torch::phase_stamps();
+  for (size_t k = 1; k < st.size(); ++k) {
+    out.steps.emplace_back(st[k].first, st[k].second - st[k - 1].second);
+  }
+#endif
+
+  owners.clear();  // their deleters were removed: dropping them frees nothing
+  for (void* p : dead) {
+    a.free_ptr(p, true);  // the re-created blocks, as graph trees free them
+  }
+  for (size_t i = 1; i < live.size(); i += 2) {
+    a.free_ptr(live[i], true);
+  }
+  state.reset();
+  a.releasePool(1, pool);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const size_t n = argc > 1 ? std::strtoul(argv[1], nullptr, 10) : 10000;
+  const int repeats = argc > 2 ? std::atoi(argv[2]) : 9;
+  SlotpoolAllocator a(std::string("sim"), std::string("sim_devices:2"));
+  a.init(2);
+  int id = 0;
+  for (bool whole : {true, false}) {
+    std::vector<double> us, faults;
+    std::vector<Sample> kept;
+    for (int r = 0; r <= repeats; ++r) {
+      Sample t = one_repeat(a, n, id++, whole);
+      if (r > 0) {  // the first warms up
+        us.push_back(t.us);
+        faults.push_back(static_cast<double>(t.faults));
+        kept.push_back(std::move(t));
+      }
+    }
+    std::printf(
+        "graph_state_bench %s live_blocks=%zu median_us=%.1f min_us=%.1f page_faults=%.0f "
+        "repeats=%d",
+        whole ? "set" : "restore", n, median(us), *std::min_element(us.begin(), us.end()),
+        median(faults), repeats);
+    // Each step's median, where the binding stamped them (the same steps every call).
+    for (size_t k = 0; k < kept[0].steps.size(); ++k) {
+      std::vector<double> v;
+      for (const Sample& t : kept) {
+        v.push_back(k < t.steps.size() ? t.steps[k].second : 0.0);
+      }
+      std::printf(" %s=%.1f", kept[0].steps[k].first.c_str(), median(v));
+    }
+    std::printf("\n");
+  }
+  return 0;
+}
