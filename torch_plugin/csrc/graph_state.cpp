@@ -64,7 +64,8 @@ struct Scratch {
 // The storages to add deleters to are read this many places ahead of the one being checked, and
 // their pointers' slots in the checkpoint's live set half as many: each lies wherever PyTorch
 // made it, and the set probe waits on the storage. (The stale storages' pass has one read per
-// storage and no dependent probe: prefetching it measured slower on the host, not faster.)
+// storage and no dependent probe: prefetching it did not shorten it on the H200 host and
+// lengthened it on a 2-core VM, 100 us against 80 for 5,000 storages.)
 constexpr size_t kAhead = 16;
 
 // Ask for the cache lines of storage i's DataPtr, its first byte and its last: a StorageImpl

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "phases.h"
+#include "pyint.h"
 #include "slotpool_allocator.h"
 
 namespace py = pybind11;
@@ -50,7 +51,9 @@ void storage_ptrs(const py::handle& seq, const char* what, std::vector<c10::Stor
   out.clear();
   out.reserve(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; i++) {
-    void* p = PyLong_AsVoidPtr(items[i]);
+    uintptr_t v = 0;
+    void* p = sp::int_as_address(items[i], &v) ? reinterpret_cast<void*>(v)
+                                                : PyLong_AsVoidPtr(items[i]);
     if (p == nullptr && PyErr_Occurred()) {
       throw py::error_already_set();
     }

@@ -22,6 +22,7 @@
 //   snapshot.cpp     snapshot() for memory_viz, getExpandableSegmentSizes
 //   ipc.cpp          CUDA IPC handles
 //   module.cpp       the Python bindings
+//   pyint.h          their Python ints read as addresses
 //
 // Design decisions (see docs/torch.md for the user-facing version):
 //

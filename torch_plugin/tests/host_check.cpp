@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "../csrc/pyint.h"
 #include "../csrc/slotpool_allocator.h"
 
 #include <c10/core/StorageImpl.h>
@@ -607,6 +608,35 @@ void check_ipc_refusals(slotpool_torch::SlotpoolAllocator& a) {
   expect(msg.find("unknown type or size") != std::string::npos, "a short handle is refused: " + msg);
 }
 
+// Python ints read as addresses (pyint.h): the fast path agrees with PyLong_AsVoidPtr on every
+// int it takes, and leaves the rest (negative, over 60 bits, not an exact int) to it.
+void check_int_as_address() {
+  if (!Py_IsInitialized()) {
+    Py_InitializeEx(0);
+  }
+  const bool known = PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000;
+  for (unsigned long long v : {0ULL, 1ULL, 511ULL, (1ULL << 30) - 1, 1ULL << 30, (1ULL << 30) + 5,
+                               0x7f3a5c001230ULL, 0x7fffffffffffULL, (1ULL << 60) - 1}) {
+    PyObject* o = PyLong_FromUnsignedLongLong(v);
+    uintptr_t got = ~uintptr_t{0};
+    const bool fast = slotpool_torch::int_as_address(o, &got);
+    expect(fast == known, "an address-sized int takes the fast path: " + std::to_string(v));
+    expect(!fast || (got == v && reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(o)) == v),
+           "the fast path reads " + std::to_string(v) + " as PyLong_AsVoidPtr does");
+    Py_DECREF(o);
+  }
+  uintptr_t got = 0;
+  std::vector<PyObject*> general = {PyLong_FromUnsignedLongLong(1ULL << 60),
+                                    PyLong_FromUnsignedLongLong(~0ULL), PyLong_FromLong(-1),
+                                    PyLong_FromLong(-4096), PyBool_FromLong(1),
+                                    PyFloat_FromDouble(4096.0)};
+  for (PyObject* o : general) {
+    expect(!slotpool_torch::int_as_address(o, &got), "an int past 60 bits, a negative one, a bool "
+                                                     "or a float takes the general path");
+    Py_DECREF(o);
+  }
+}
+
 // PyTorch's allocator settings: the keys slotpool applies the same way pass, in order (lists
 // whole); the rest is named as skipped.
 void check_torch_conf() {
@@ -660,6 +690,7 @@ void check_trace_trackers(slotpool_torch::SlotpoolAllocator& a) {
 }
 
 int main() {
+  check_int_as_address();
   check_torch_conf();
   // Applied at sp_init, beneath $SLOTPOOL_CONF and the allocator's own conf.
   setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128,garbage_collection_threshold:0.6", 1);
