@@ -191,10 +191,12 @@ def child(alloc, sizes, repeats, only_set=False):
         out["alloc_us_error"] = set_ext
         set_ext = None
 
-    def samples(fn, keys, prefix=""):
+    def samples(fn, keys):
+        """`keys`: each repeat's key, or (key, the name its samples take)."""
         runs = [fn() for _ in range(repeats + 1)][1:]
         keys = [*keys, *sorted({k for r in runs for k in r if k.startswith("phase_")})]
-        got = {prefix + k: [r.get(k, 0.0) for r in runs] for k in keys}
+        named = [k if isinstance(k, tuple) else (k, k) for k in keys]
+        got = {name: [r.get(k, 0.0) for r in runs] for k, name in named}
         return got, all(r["live_check"] for r in runs)
 
     for n in sizes:
@@ -206,13 +208,13 @@ def child(alloc, sizes, repeats, only_set=False):
                 # PyTorch's own binding over slotpool's allocator (install() replaced torch._C's).
                 theirs = slotpool_torch.torch_set_checkpoint_pool_state
                 more.append(samples(lambda: one_repeat(torch, n, device, set_fn=theirs),
-                                    ("set_us",), "pytorch_binding_"))
+                                    (("set_us", "pytorch_binding_us"),)))
             # Graph trees' own pattern, through torch._C (and, under slotpool, PyTorch's binding).
             more.append(samples(lambda: one_repeat_graph_trees(torch, n, device),
-                                ("set_us", "switch_us"), "gt_"))
+                                (("set_us", "gt_set_us"), ("switch_us", "gt_switch_us"))))
             if alloc == "slotpool":
                 more.append(samples(lambda: one_repeat_graph_trees(torch, n, device, theirs),
-                                    ("set_us",), "gt_pytorch_binding_"))
+                                    (("set_us", "gt_pytorch_binding_us"),)))
             if set_ext is not None:
                 more.append(samples(lambda: one_repeat(torch, n, device, set_ext), ("alloc_us",)))
         for got, good in more:

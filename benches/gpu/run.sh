@@ -22,6 +22,7 @@
 # (sp_alloc + sp_free through the .so, simulated device and CUDA, one thread and 16), cpu_probe (the same, pinned to
 # each CPU in turn)
 # Env: TORCH_SCENARIOS, TORCH_TIMEOUT, CHILD_TIMEOUT, CHILD_CPUS (pin torch children, "2-9"), PRELOAD_CPU,
+# CKPT_ROUNDS,
 # PARITY_WORKLOADS, PARITY_RUNS, PARITY_STEPS, KINDS, SKIP_UNCACHED
 set -uo pipefail
 usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -354,10 +355,17 @@ fi
 
 if has ckpt_state; then
   # CUDA graph trees' restore path: setCheckpointPoolState on a private pool of 100 / 1,000 /
-  # 10,000 live blocks, half changed, under slotpool_torch and under PyTorch's allocator.
+  # 10,000 live blocks, half changed, under slotpool_torch and under PyTorch's allocator, each in
+  # CKPT_ROUNDS children (default 2) alternated; then the binding's own steps at 10,000 blocks
+  # (a build of the extension with SLOTPOOL_TORCH_PHASES=1).
   SLOTPOOL_TORCH_BUILD_DIR=${SLOTPOOL_TORCH_BUILD_DIR:-/tmp/slotpool-torch-ext} \
-    run ckpt_state 600 python3 benches/gpu/ckpt_state_bench.py --out "$OUT"
+    run ckpt_state 480 python3 benches/gpu/ckpt_state_bench.py --rounds "${CKPT_ROUNDS:-2}" \
+    --out "$OUT"
   grep '^{' "$OUT/ckpt_state.log" | sed 's/^{/{"step": "ckpt_state", /' >>"$RES"
+  SLOTPOOL_TORCH_BUILD_DIR=${SLOTPOOL_TORCH_BUILD_DIR:-/tmp/slotpool-torch-ext} \
+    run ckpt_state_phases 240 python3 benches/gpu/ckpt_state_bench.py --sizes 10000 --repeats 9 \
+    --only-set --phases --alloc slotpool --out "$OUT/phases"
+  grep '^{' "$OUT/ckpt_state_phases.log" | sed 's/^{/{"step": "ckpt_state_phases", /' >>"$RES"
 fi
 
 if has torch_host; then

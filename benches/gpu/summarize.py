@@ -28,6 +28,10 @@ for r in res:
     elif r.get("step") == "ckpt_state" and "live_blocks" in r:
         row(f"ckpt_state/{r['alloc']}/{r['live_blocks']}", f"{r['set_us']} us/set",
             f"switch {r['switch_us']} us, get {r['get_us']} us, live check {r['live_check']}")
+    elif r.get("step") == "ckpt_state_phases" and "live_blocks" in r:
+        steps = {k[len("phase_"):-len("_us")]: v for k, v in r.items() if k.startswith("phase_")}
+        row(f"ckpt_state_phases/{r['live_blocks']}", f"{r['set_us']} us/set",
+            ", ".join(f"{k} {v}" for k, v in steps.items())[:90])
     elif "rc" in r and r.get("rc") != 0:
         row(r["step"], f"rc={r['rc']}")
 
