@@ -51,6 +51,8 @@ struct Scratch {
   std::vector<uint64_t> claimed;                // (4): a bit per slot of the checkpoint's live set
   std::vector<c10::StorageImpl*> stale;         // (1), each storage once
   std::vector<void*> stale_ptrs;                // their data pointers, read once
+  std::vector<void*> add_ptrs;                  // (4): each storage's data pointer, read once
+  std::vector<size_t> take;                     // (4): which of them take a deleter
   // (4): each storage that took a deleter, with the deleter and device its DataPtr had.
   struct Taken {
     c10::StorageImpl* s;
@@ -61,23 +63,11 @@ struct Scratch {
   GraphRestore restore;  // the restore's lists
 };
 
-// The storages to add deleters to are read this many places ahead of the one being checked, and
-// their pointers' slots in the checkpoint's live set half as many: each lies wherever PyTorch
-// made it, and the set probe waits on the storage. (The stale storages' pass has one read per
-// storage and no dependent probe: prefetching it did not shorten it on the H200 host and
+// (4)'s probes of the checkpoint's live set are asked for this many storages ahead: a slot lies
+// anywhere in a table of twice the live blocks. (The storages themselves are read in order,
+// without prefetching: that did not shorten the stale storages' pass on the H200 host and
 // lengthened it on a 2-core VM, 100 us against 80 for 5,000 storages.)
 constexpr size_t kAhead = 16;
-
-// Ask for the cache lines of storage i's DataPtr, its first byte and its last: a StorageImpl
-// is aligned to 16 bytes, so its DataPtr often spans two lines (a list's storages are the
-// caller's live objects, or null, which the loops refuse).
-void prefetch_storage(const std::vector<c10::StorageImpl*>& v, size_t i) {
-  if (i < v.size() && v[i] != nullptr) {
-    const auto* d = reinterpret_cast<const char*>(&v[i]->data_ptr());
-    __builtin_prefetch(d);
-    __builtin_prefetch(d + sizeof(c10::DataPtr) - 1);
-  }
-}
 
 // A list of pointers as a count and a sum of keyed mixes of each (splitmix64's finaliser of the
 // pointer xor a key drawn once a process). Two lists with equal fingerprints hold the same
@@ -189,24 +179,26 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
   // (4) The storages that take a deleter: the last one per pointer that is live in the
   // checkpoint. Each must have no deleter context; it takes an owning DataPtr. A bit per slot
   // of the checkpoint's live set marks the pointers handed out, so one probe a storage does.
+  // Three passes, each with one kind of wait: the storages' pointers read in order (a cache
+  // miss each, nothing depending on it, so many in flight); their probes of the set, a few
+  // slots ahead, backwards (the last storage of a pointer wins); then the storages chosen, now
+  // cached, take their DataPtrs. One loop doing all three took twice as long on a 2-core VM.
   {
     const std::vector<c10::StorageImpl*>& add = storages_to_add_deleters_to;
+    sc.add_ptrs.resize(add.size());
+    for (size_t i = 0; i < add.size(); ++i) {
+      TORCH_CHECK(add[i] != nullptr, "slotpool: a null storage to add a deleter to");
+      sc.add_ptrs[i] = add[i]->data_ptr().get();
+    }
+    sc.take.clear();
     if (!add.empty()) {
       sc.claimed.assign((live_set.capacity() + 63) / 64, 0);
     }
-    const c10::Device dev(c10::DeviceType::CUDA, device);
     for (size_t i = add.size(); i-- > 0;) {
-      // Two steps ahead: the storage (2k places on), then the set slots of its pointer (k on).
-      if (i >= 2 * kAhead) {
-        prefetch_storage(add, i - 2 * kAhead);
+      if (i >= kAhead && sc.add_ptrs[i - kAhead] != nullptr) {
+        live_set.prefetch(sc.add_ptrs[i - kAhead]);
       }
-      if (i >= kAhead && add[i - kAhead] != nullptr) {
-        live_set.prefetch(add[i - kAhead]->data_ptr().get());
-      }
-      c10::StorageImpl* s = add[i];
-      TORCH_CHECK(s != nullptr, "slotpool: a null storage to add a deleter to");
-      const c10::DataPtr& d = s->data_ptr();
-      void* p = d.get();
+      void* p = sc.add_ptrs[i];
       const size_t slot = p == nullptr ? PtrSet::kNone : live_set.find(p);
       if (slot == PtrSet::kNone) {
         continue;
@@ -215,10 +207,16 @@ void set_checkpoint_pool_state(SlotpoolAllocator& a, c10::DeviceIndex device,
       const uint64_t bit = uint64_t{1} << (slot % 64);
       if ((word & bit) == 0) {
         word |= bit;
-        TORCH_CHECK(d.get_context() == nullptr, " Not expecting deleter function");
-        sc.taken.push_back({s, d.get_deleter(), d.device()});
-        s->set_data_ptr_noswap(c10::DataPtr(p, p, ours, dev));
+        sc.take.push_back(i);
       }
+    }
+    const c10::Device dev(c10::DeviceType::CUDA, device);
+    for (size_t i : sc.take) {
+      c10::StorageImpl* s = add[i];
+      const c10::DataPtr& d = s->data_ptr();
+      TORCH_CHECK(d.get_context() == nullptr, " Not expecting deleter function");
+      sc.taken.push_back({s, d.get_deleter(), d.device()});
+      s->set_data_ptr_noswap(c10::DataPtr(sc.add_ptrs[i], sc.add_ptrs[i], ours, dev));
     }
   }
 

@@ -1,10 +1,11 @@
 // Host cost of slotpool's setCheckpointPoolState binding (graph_state.cpp) on the simulated
-// device, without Python: the pattern of benches/gpu/ckpt_state_bench.py's stale storages. A
-// private pool of N live blocks and N holes, checkpointed; half the live blocks die and as many
-// new blocks of other sizes are allocated, each with a storage that owns it; then, timed, either
-// the whole binding (`set`: the stale storages lose their deleters, the restore, the checks) or
-// the restore alone as the binding calls it (`restore`: sp_checkpoint_restore and the delta's
-// lists). Built and run by `scripts/torch_host_check.sh --bench [N] [REPEATS]`; under
+// device, without Python: the patterns of benches/gpu/ckpt_state_bench.py. A private pool of N
+// live blocks and N holes, checkpointed; half the live blocks die and as many new blocks of other
+// sizes are allocated, each with a storage that owns it; then, timed, either the whole binding
+// (`set`: the stale storages lose their deleters, the restore, the checks) or the restore alone
+// as the binding calls it (`restore`: sp_checkpoint_restore and the delta's lists). Third,
+// graph trees' own pattern (`graph_trees`): half the live blocks die and nothing else is
+// allocated; the survivors' bare storages take the allocator's deleter from the binding. Built and run by `scripts/torch_host_check.sh --bench [N] [REPEATS]`; under
 // `valgrind --tool=callgrind` its instruction counts are free of the host's noise.
 //
 // Prints one line per kind: the median and minimum over the repeats, in microseconds, the
@@ -67,8 +68,17 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// What a repeat times: the binding over stale storages, the restore alone as the binding calls
+// it, or the binding in graph trees' own pattern (no stale storages; bare storages over the
+// surviving blocks take the allocator's deleter).
+enum class Kind { Set, Restore, GraphTrees };
+
+const char* name(Kind k) {
+  return k == Kind::Set ? "set" : k == Kind::Restore ? "restore" : "graph_trees";
+}
+
 // One repeat in a fresh pool: the timed call's microseconds and page faults.
-Sample one_repeat(SlotpoolAllocator& a, size_t n, int id, bool whole) {
+Sample one_repeat(SlotpoolAllocator& a, size_t n, int id, Kind kind) {
   auto* s = reinterpret_cast<cudaStream_t>(7);
   const c10::Device dev(c10::DeviceType::CUDA, 1);
   c10::MempoolId_t pool{static_cast<c10::CaptureId_t>(1000 + id), 0};
@@ -89,27 +99,35 @@ Sample one_repeat(SlotpoolAllocator& a, size_t n, int id, bool whole) {
     dead.push_back(live[i]);
     a.free_ptr(live[i], true);
   }
-  // The new blocks' storages, spread over the heap as PyTorch's lie among its tensors and
-  // Python objects (a filler allocation between two storages).
+  // The storages, spread over the heap as PyTorch's lie among its tensors and Python objects
+  // (a filler allocation between two storages): the new blocks' that own them (stale), or
+  // graph trees' bare ones over the survivors.
   std::vector<c10::intrusive_ptr<c10::StorageImpl>> owners;
   std::vector<std::unique_ptr<char[]>> filler;
-  std::vector<c10::StorageImpl*> stale;
+  std::vector<c10::StorageImpl*> stale, add;
   for (size_t i = 0; i < n / 2; ++i) {
-    size_t bytes = 512 * ((7 * i) % 11 + 1) + 256;
-    void* p = a.malloc_impl(1, bytes, s);
-    owners.push_back(c10::make_intrusive<c10::StorageImpl>(
-        c10::StorageImpl::use_byte_size_t(), bytes,
-        c10::DataPtr(p, p, &slotpool_torch::slotpool_delete, dev), nullptr, false));
+    if (kind == Kind::GraphTrees) {
+      void* p = live[2 * i + 1];
+      owners.push_back(c10::make_intrusive<c10::StorageImpl>(
+          c10::StorageImpl::use_byte_size_t(), 512, c10::DataPtr(p, dev), nullptr, false));
+      add.push_back(owners.back().get());
+    } else {
+      size_t bytes = 512 * ((7 * i) % 11 + 1) + 256;
+      void* p = a.malloc_impl(1, bytes, s);
+      owners.push_back(c10::make_intrusive<c10::StorageImpl>(
+          c10::StorageImpl::use_byte_size_t(), bytes,
+          c10::DataPtr(p, p, &slotpool_torch::slotpool_delete, dev), nullptr, false));
+      stale.push_back(owners.back().get());
+    }
     filler.emplace_back(new char[448]);
-    stale.push_back(owners.back().get());
   }
   a.endAllocateToPool(1, pool);
 
   slotpool_torch::phase("start", true);
   const long f0 = minor_faults();
   auto t0 = std::chrono::steady_clock::now();
-  if (whole) {
-    slotpool_torch::set_checkpoint_pool_state(a, 1, state, stale, {});
+  if (kind != Kind::Restore) {
+    slotpool_torch::set_checkpoint_pool_state(a, 1, state, stale, add);
   } else {
     slotpool_torch::GraphRestore r;
     a.restore_graph_state(slotpool_torch::graph_checkpoint_state(1, state), r);
@@ -128,11 +146,13 @@ Sample one_repeat(SlotpoolAllocator& a, size_t n, int id, bool whole) {
   }
 #endif
 
-  owners.clear();  // their deleters were removed: dropping them frees nothing
+  // Stale storages lost their deleters (dropping them frees nothing); graph trees' took ours
+  // (dropping them frees the survivors).
+  owners.clear();
   for (void* p : dead) {
     a.free_ptr(p, true);  // the re-created blocks, as graph trees free them
   }
-  for (size_t i = 1; i < live.size(); i += 2) {
+  for (size_t i = 1; kind != Kind::GraphTrees && i < live.size(); i += 2) {
     a.free_ptr(live[i], true);
   }
   state.reset();
@@ -148,11 +168,11 @@ int main(int argc, char** argv) {
   SlotpoolAllocator a(std::string("sim"), std::string("sim_devices:2"));
   a.init(2);
   int id = 0;
-  for (bool whole : {true, false}) {
+  for (Kind kind : {Kind::Set, Kind::Restore, Kind::GraphTrees}) {
     std::vector<double> us, faults;
     std::vector<Sample> kept;
     for (int r = 0; r <= repeats; ++r) {
-      Sample t = one_repeat(a, n, id++, whole);
+      Sample t = one_repeat(a, n, id++, kind);
       if (r > 0) {  // the first warms up
         us.push_back(t.us);
         faults.push_back(static_cast<double>(t.faults));
@@ -162,7 +182,7 @@ int main(int argc, char** argv) {
     std::printf(
         "graph_state_bench %s live_blocks=%zu median_us=%.1f min_us=%.1f page_faults=%.0f "
         "repeats=%d",
-        whole ? "set" : "restore", n, median(us), *std::min_element(us.begin(), us.end()),
+        name(kind), n, median(us), *std::min_element(us.begin(), us.end()),
         median(faults), repeats);
     // Each step's median, where the binding stamped them (the same steps every call).
     for (size_t k = 0; k < kept[0].steps.size(); ++k) {
