@@ -331,6 +331,14 @@ void check_graph_state(slotpool_torch::SlotpoolAllocator& a) {
   (void)with_ctx->mutable_data_ptr().release_context();  // not its memory to free
   msg = thrown([&] { set_checkpoint_pool_state(a, 1, nullptr, {st1.get()}, {}); });
   expect(msg.find("getCheckpointState") != std::string::npos, "a null state is refused: " + msg);
+  // A null storage among those to add a deleter to, after one that would take it: refused, and
+  // neither the stale storage nor the bare one is left changed.
+  auto bare1 = bare(in_cp[1], 2 << 20);
+  msg = thrown([&] { set_checkpoint_pool_state(a, 1, cp, {st1.get()}, {nullptr, bare1.get()}); });
+  expect(msg.find("null storage") != std::string::npos, "a null storage is refused: " + msg);
+  expect(st1->data_ptr().get_deleter() == &slotpool_delete &&
+             bare1->data_ptr().get_context() == nullptr,
+         "a refused call leaves the stale and the bare storage as they were");
   expect(a.checkPoolLiveAllocations(1, pool, {in_cp[1], in_cp[3], n1, n2}),
          "the refused calls changed nothing");
   expect(st1->data_ptr().get_deleter() == &slotpool_delete, "the refused calls kept the deleters");
