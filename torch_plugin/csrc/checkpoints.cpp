@@ -145,7 +145,8 @@ void SlotpoolAllocator::restore_graph_state(std::shared_ptr<CheckpointState> sta
   check(sp_checkpoint_restore(state->cp, none, 0, &delta.p), "sp_checkpoint_restore");
   phase("restore");
   delta_ptrs(delta.p, /*created=*/false, out.freed);
-  out.delta.reset(std::exchange(delta.p, nullptr), [](sp_restore_delta* d) { (void)sp_delta_free(d); });
+  out.delta.reset(std::exchange(delta.p, nullptr),
+                  [](sp_restore_delta* d) { (void)sp_delta_free(d); });
   out.state = std::move(state);
   phase("lists");
 }

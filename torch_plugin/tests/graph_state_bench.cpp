@@ -5,12 +5,14 @@
 // (`set`: the stale storages lose their deleters, the restore, the checks) or the restore alone
 // as the binding calls it (`restore`: sp_checkpoint_restore and the delta's lists). Third,
 // graph trees' own pattern (`graph_trees`): half the live blocks die and nothing else is
-// allocated; the survivors' bare storages take the allocator's deleter from the binding. Built and run by `scripts/torch_host_check.sh --bench [N] [REPEATS]`; under
-// `valgrind --tool=callgrind` its instruction counts are free of the host's noise.
+// allocated; the survivors' bare storages take the allocator's deleter from the binding. Built
+// and run by `scripts/torch_host_check.sh --bench [N] [REPEATS]`; under `valgrind
+// --tool=callgrind` (BENCH_WRAP) its instruction counts are free of the host's noise.
 //
 // Prints one line per kind: the median and minimum over the repeats, in microseconds, the
 // median page faults taken inside the call, and the median of each of the binding's steps
-// (the script builds it with SLOTPOOL_TORCH_PHASES, torch_plugin/csrc/phases.h).
+// (the script builds it with SLOTPOOL_TORCH_PHASES, torch_plugin/csrc/phases.h). Last, the
+// binding's reading of N/2 Python ints, through PyLong_AsVoidPtr and through pyint.h.
 
 #include <algorithm>
 #include <chrono>
@@ -24,6 +26,7 @@
 #include <sys/resource.h>
 
 #include "../csrc/phases.h"
+#include "../csrc/pyint.h"
 #include "../csrc/slotpool_allocator.h"
 
 #include <c10/core/StorageImpl.h>
@@ -160,6 +163,47 @@ Sample one_repeat(SlotpoolAllocator& a, size_t n, int id, Kind kind) {
   return out;
 }
 
+// The binding's first step on n Python ints as graph trees pass them (`storage._cdata`: heap
+// addresses, each int its own object): PyLong_AsVoidPtr against the read of pyint.h.
+void ints(size_t n, int repeats) {
+  if (!Py_IsInitialized()) {
+    Py_InitializeEx(0);
+  }
+  std::vector<std::unique_ptr<char[]>> objects;
+  PyObject* list = PyList_New(0);
+  for (size_t i = 0; i < n; ++i) {
+    objects.emplace_back(new char[256]);
+    PyObject* v = PyLong_FromVoidPtr(objects.back().get());
+    PyList_Append(list, v);
+    Py_DECREF(v);
+  }
+  std::vector<void*> out(n);
+  std::vector<double> general, fast;
+  for (int r = 0; r <= repeats; ++r) {
+    for (bool quick : {false, true}) {
+      auto t0 = std::chrono::steady_clock::now();
+      for (size_t i = 0; i < n; ++i) {
+        PyObject* o = PyList_GET_ITEM(list, static_cast<Py_ssize_t>(i));
+        uintptr_t v = 0;
+        out[i] = quick && slotpool_torch::int_as_address(o, &v) ? reinterpret_cast<void*>(v)
+                                                                 : PyLong_AsVoidPtr(o);
+      }
+      auto t1 = std::chrono::steady_clock::now();
+      if (out[n - 1] != objects[n - 1].get()) {
+        std::fprintf(stderr, "graph_state_bench: an int read wrong\n");
+        std::exit(1);
+      }
+      if (r > 0) {  // the first warms up
+        const double us = std::chrono::duration<double, std::micro>(t1 - t0).count();
+        (quick ? fast : general).push_back(us);
+      }
+    }
+  }
+  std::printf("graph_state_bench ints n=%zu pylong_as_void_ptr_us=%.1f int_as_address_us=%.1f\n",
+              n, median(general), median(fast));
+  Py_DECREF(list);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -194,5 +238,6 @@ int main(int argc, char** argv) {
     }
     std::printf("\n");
   }
+  ints(n / 2, repeats);
   return 0;
 }
