@@ -1,7 +1,7 @@
 // Opt-in timing of set_checkpoint_pool_state's steps (graph_state.cpp), for
 // benches/gpu/ckpt_state_bench.py: built with SLOTPOOL_TORCH_PHASES=1 (slotpool_torch's loader
 // then defines the macro below), each step's end is stamped and
-// slotpool_torch._C.graph_state_phases() returns the last call's steps in microseconds.
+// the extension's graph_state_phases() returns the last call's steps in microseconds.
 // Otherwise every stamp compiles to nothing.
 #pragma once
 
