@@ -31,15 +31,7 @@
 
 #include <c10/core/StorageImpl.h>
 
-// Symbols of libtorch_cuda the shim references but this bench never reaches (installing the
-// allocator): defined here so that only c10 is needed.
-namespace torch::cuda::CUDAPluggableAllocator {
-void changeCurrentAllocator(
-    const std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator>&) {
-  std::fprintf(stderr, "graph_state_bench: changeCurrentAllocator called\n");
-  std::abort();
-}
-}  // namespace torch::cuda::CUDAPluggableAllocator
+#include "torch_stubs.h"
 
 namespace {
 

@@ -26,15 +26,7 @@
 
 #include <c10/core/StorageImpl.h>
 
-// Symbols of libtorch_cuda / libtorch_python the shim references but these checks never reach
-// (installing the allocator, Python bindings): defined here so that only c10 is needed.
-namespace torch::cuda::CUDAPluggableAllocator {
-void changeCurrentAllocator(
-    const std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator>&) {
-  std::fprintf(stderr, "host_check: changeCurrentAllocator called\n");
-  std::abort();
-}
-}  // namespace torch::cuda::CUDAPluggableAllocator
+#include "torch_stubs.h"
 
 namespace {
 
