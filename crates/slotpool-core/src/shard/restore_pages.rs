@@ -167,15 +167,9 @@ impl Shard {
         for seg in w.segments.drain(..) {
             w.listed[seg] = false;
             let changed = &mut w.changed[seg];
-            let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind else {
-                changed.fill(0);
-                continue;
-            };
-            for (k, word) in changed.iter_mut().enumerate() {
-                let mut bits = std::mem::take(word);
-                while bits != 0 {
-                    let p = k * 64 + bits.trailing_zeros() as usize;
-                    bits &= bits - 1;
+            // Only vmm segments are listed (`count_pages`).
+            if let SegmentKind::Vmm(pt) = &mut self.segments[seg].kind {
+                for_each_one(changed, |p| {
                     let idle = pt.live[p] == 0 && pt.handle[p].is_some();
                     if idle != pt.is_idle(p) {
                         pt.set_idle(p, idle);
@@ -183,24 +177,32 @@ impl Shard {
                             pt.idle_epoch[p] = epoch;
                         }
                     }
-                }
+                });
             }
+            changed.fill(0);
+        }
+    }
+}
+
+/// Calls `f` with each page whose bit is set in `words`, in order.
+#[inline]
+fn for_each_one(words: &[u64], mut f: impl FnMut(usize)) {
+    for (k, &word) in words.iter().enumerate() {
+        let mut bits = word;
+        while bits != 0 {
+            f(k * 64 + bits.trailing_zeros() as usize);
+            bits &= bits - 1;
         }
     }
 }
 
 /// Marks graph-retained each mapped page of `pt` whose bit is set in `pages`.
 fn retain_mapped(pt: &mut PageTable, pages: &[u64]) {
-    for (k, &word) in pages.iter().enumerate() {
-        let mut bits = word;
-        while bits != 0 {
-            let p = k * 64 + bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            if pt.handle[p].is_some() {
-                pt.set_retained(p, true);
-            }
+    for_each_one(pages, |p| {
+        if pt.handle[p].is_some() {
+            pt.set_retained(p, true);
         }
-    }
+    });
 }
 
 #[cfg(test)]
@@ -217,6 +219,14 @@ mod tests {
         assert_eq!(other.range(base, base + (1 << 21) - 512, 1024), (0, 1));
         assert_eq!(pow2.range(base, base + (5 << 21), 1 << 21), (5, 6));
         assert_eq!(other.range(base, base + (3 << 20), 1), (1, 2));
+    }
+
+    #[test]
+    fn each_set_bit_is_one_page_in_order() {
+        let mut pages = Vec::new();
+        for_each_one(&[0b1001, 0, 1 << 63 | 1], |p| pages.push(p));
+        assert_eq!(pages, [0, 3, 128, 191]);
+        for_each_one(&[], |_| panic!("no bits, no pages"));
     }
 
     #[test]
