@@ -145,16 +145,15 @@ void SlotpoolAllocator::restore_graph_state(std::shared_ptr<CheckpointState> sta
   check(sp_checkpoint_restore(state->cp, none, 0, &delta.p), "sp_checkpoint_restore");
   phase("restore");
   delta_ptrs(delta.p, /*created=*/false, out.freed);
-  out.delta.reset(std::exchange(delta.p, nullptr),
-                  [](sp_restore_delta* d) { (void)sp_delta_free(d); });
+  out.delta_.reset(std::exchange(delta.p, nullptr));
   out.state = std::move(state);
   phase("lists");
 }
 
 const std::vector<void*>& GraphRestore::created() const {
   if (!created_read_) {
-    TORCH_CHECK(delta != nullptr, "slotpool: a restore's created list read after reset");
-    delta_ptrs(delta.get(), /*created=*/true, created_);
+    TORCH_CHECK(delta_ != nullptr, "slotpool: a restore's created list read after reset");
+    delta_ptrs(delta_.get(), /*created=*/true, created_);
     created_read_ = true;
   }
   return created_;
@@ -162,7 +161,7 @@ const std::vector<void*>& GraphRestore::created() const {
 
 void GraphRestore::reset() {
   state.reset();
-  delta.reset();
+  delta_.reset();
   created_read_ = false;
 }
 

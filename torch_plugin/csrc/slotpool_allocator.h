@@ -138,7 +138,8 @@ struct CheckpointState;
 
 // What a restore of a getCheckpointState state did, as both setCheckpointPoolState and
 // set_checkpoint_pool_state (graph_state.cpp) read it. Its lists are in no particular order.
-struct GraphRestore {
+class GraphRestore {
+ public:
   std::vector<void*> freed;  // live before, freed by the restore
   std::shared_ptr<CheckpointState> state;  // state->live: what is live in the pool now
   // Re-created by the restore, read from the delta on first use (the usual call of
@@ -146,14 +147,20 @@ struct GraphRestore {
   const std::vector<void*>& created() const;
   // The set of created(), in `slots` (a table the caller keeps).
   PtrSet created_set(std::vector<uintptr_t>& slots) const;
-  // Lets go of the state and the delta (the buffers stay for the next restore).
-  void reset();
-  std::shared_ptr<sp_restore_delta> delta;  // the restore's own, until reset()
-  mutable std::vector<void*> created_;      // created(), once read
-  mutable bool created_read_ = false;
   // Calls f for each survivor: live in the checkpoint and before the restore, untouched by it
   // (state->live less created), lowest address first.
   void for_each_survivor(const std::function<void(void*)>& f) const;
+  // Lets go of the state and the delta (the buffers stay for the next restore).
+  void reset();
+
+ private:
+  friend class SlotpoolAllocator;  // restore_graph_state fills it
+  struct DeltaFree {
+    void operator()(sp_restore_delta* d) const { (void)sp_delta_free(d); }
+  };
+  std::unique_ptr<sp_restore_delta, DeltaFree> delta_;  // the restore's own, until reset()
+  mutable std::vector<void*> created_;                  // created(), once read
+  mutable bool created_read_ = false;
 };
 
 // getCheckpointState's AllocatorState: owns one sp_checkpoint.
